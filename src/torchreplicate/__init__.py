@@ -1,0 +1,14 @@
+"""torchreplicate: composable data parallelism for PyTorch.
+
+``replicate(model)`` makes ``model`` a data-parallel replica in place: after
+every backward, each parameter's ``.grad`` is the mean over all ranks.
+"""
+
+from torchreplicate.api import ReplicateModule, replicate
+from torchreplicate.comm_hooks import GradBucket
+from torchreplicate.config import ReplicateConfig
+from torchreplicate.launch import launch
+from torchreplicate.state import ReplicateState
+
+__all__ = ["GradBucket", "ReplicateConfig", "ReplicateModule", "ReplicateState", "launch", "replicate"]
+__version__ = "0.1.0"

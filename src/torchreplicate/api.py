@@ -1,0 +1,161 @@
+"""``replicate()``: the public entry point, and the methods it adds to a module."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.config import ReplicateConfig, to_device
+from torchreplicate.registry import get_state, register_state, unregister_state
+from torchreplicate.state import ReplicateState, is_fully_sharded, warn_no_effect
+
+
+class ReplicateModule:
+    """Methods every replicated module gains (its class becomes a subclass).
+
+    ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
+    and from the model's own class, so ``isinstance(model, MyModel)`` holds.
+    """
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Turns gradient averaging on (default) or off for the next backwards.
+
+        Off, backward only accumulates local gradients (gradient accumulation);
+        the first backward with it on again averages everything accumulated.
+        The setting is read at backward time, so it may change between a
+        forward and its backward.
+
+        Args:
+            requires_gradient_sync: True to average at the end of each backward.
+        """
+        get_state(self).set_requires_gradient_sync(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context manager: backwards inside it accumulate without averaging.
+
+        Example::
+
+            with model.no_sync():
+                model(micro_batch_1).sum().backward()   # local only
+            model(micro_batch_2).sum().backward()       # averages both
+        """
+        state = get_state(self)
+        previous = state.requires_gradient_sync
+        state.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            state.set_requires_gradient_sync(previous)
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """Reduces every bucket with ``hook(state, bucket)`` (DDP's comm-hook protocol).
+
+        The stock hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` work
+        unchanged. Register once, before the first backward.
+
+        Args:
+            state: passed to the hook as its first argument (e.g. a process
+                group, or a ``PowerSGDState``).
+            hook: ``hook(state, bucket) -> torch.futures.Future[Tensor]``; the
+                future's value becomes the bucket's averaged gradients.
+        """
+        get_state(self).register_comm_hook(state, hook)
+
+
+@functools.lru_cache(maxsize=None)
+def _replicated_class(cls: type) -> type:
+    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__})
+
+
+def replicate(
+    module: nn.Module,
+    *,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    device_id: Union[int, torch.device, None] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+    bucket_cap_mb: float = 25,
+    first_bucket_cap_mb: float = 1,
+    gradient_as_bucket_view: bool = True,
+    broadcast_buffers: bool = True,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+) -> nn.Module:
+    """Makes ``module`` a data-parallel replica, in place, and returns it.
+
+    After every ``backward()``, each replicated parameter's ``.grad`` is the
+    mean of all ranks' gradients. The module keeps its identity, its
+    ``state_dict`` keys and its behaviour; its class becomes a subclass that
+    adds ``set_requires_gradient_sync``, ``no_sync`` and ``register_comm_hook``.
+    Parameters are checked across ranks and broadcast from rank 0 here; if
+    ``fully_shard`` is applied to children afterwards, the first forward
+    re-plans without them. Call on every rank, after ``init_process_group``.
+
+    Args:
+        module: the model; its parameters must be the same on every rank.
+        ignored_modules: modules whose parameters and buffers (and those of
+            their descendants) are left alone. Default none.
+        device_id: an ``int`` (accelerator index; the CPU where there is no
+            accelerator) or a ``torch.device`` to move the module to first.
+            Default: leave it where it is.
+        process_group: the group to average over. Default: the world group.
+        bucket_cap_mb: gradients travel in buckets of about this many MiB.
+            Default 25.
+        first_bucket_cap_mb: cap of the first bucket, small so the first
+            collective starts early in backward. Default 1.
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
+            saving one copy of the gradients in memory. Default True.
+        broadcast_buffers: before every forward, give every rank rank 0's
+            buffers (e.g. BatchNorm statistics). Default True.
+        find_unused_parameters: accepted for DDP call sites; unused
+            parameters are always handled, so True only warns. Default False.
+        static_graph: accepted for DDP call sites; the reducer learns the
+            graph by itself, so True only warns. Default False.
+
+    Returns:
+        ``module`` itself.
+
+    Raises:
+        RuntimeError: ``module`` is managed by ``fully_shard``, ``replicate``
+            was already applied, ``device_id`` has the wrong type, or the
+            ranks' parameters differ (raised on every rank).
+        TypeError / ValueError: an option has a bad value.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    if is_fully_sharded(module):
+        raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
+    device = to_device(device_id)
+    config = ReplicateConfig(
+        ignored_modules=tuple(ignored_modules or ()),
+        device_id=device,
+        process_group=process_group,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        broadcast_buffers=broadcast_buffers,
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+    )
+    if find_unused_parameters:
+        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")
+    if static_graph:
+        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps")
+    state = ReplicateState(module, config)
+    register_state(module, state)
+    try:
+        state.init()
+    except BaseException:
+        state.remove_hooks()
+        unregister_state(module)
+        raise
+    module.__class__ = _replicated_class(type(module))
+    return module
+
+
+replicate.state = get_state  # type: ignore[attr-defined]

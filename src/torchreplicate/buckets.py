@@ -1,0 +1,103 @@
+"""Bucket planning: which parameters travel together in one collective.
+
+Pure functions over sizes, dtypes and devices, so they are tested without a
+process group. The reducer turns a plan into flat buffers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+MiB = 1024 * 1024
+
+
+class BucketSpec(NamedTuple):
+    """One planned bucket.
+
+    Attributes:
+        param_indices: indices into the reducer's parameter list, in the order
+            their gradients are laid out in the flat buffer.
+        dtype: dtype of every parameter in the bucket.
+        device: device of every parameter in the bucket.
+        numel: total number of gradient elements in the bucket.
+    """
+
+    param_indices: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+
+
+def plan_buckets(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    *,
+    order: Sequence[int] | None = None,
+    cap_bytes: int = 25 * MiB,
+    first_cap_bytes: int = 1 * MiB,
+) -> list[BucketSpec]:
+    """Groups parameters into buckets, in the order their gradients are expected.
+
+    Parameters are visited in ``order`` (default: reverse of their index, since
+    backward produces the gradients of the last layers first). A bucket holds
+    parameters of one dtype and one device; it is closed once its size reaches
+    the cap. The first bucket closed uses ``first_cap_bytes`` so that the first
+    collective starts early in backward. A parameter larger than the cap gets a
+    bucket of its own. Buckets of different (dtype, device) groups fill in
+    parallel, each closed by its own size, so a group never splits another's.
+
+    Args:
+        numels: number of elements of each parameter.
+        dtypes: dtype of each parameter.
+        devices: device of each parameter.
+        order: visiting order (a permutation of ``range(len(numels))``);
+            default reverse index order.
+        cap_bytes: bucket size cap in bytes. Default 25 MiB.
+        first_cap_bytes: cap of the first bucket closed, in bytes. Default 1 MiB.
+
+    Returns:
+        The buckets, in launch order. Every parameter appears in exactly one.
+    """
+    count = len(numels)
+    if not (len(dtypes) == len(devices) == count):
+        raise ValueError(
+            f"plan_buckets: numels, dtypes and devices must have one entry per "
+            f"parameter, got {count}, {len(dtypes)} and {len(devices)}"
+        )
+    if order is None:
+        order = range(count - 1, -1, -1)
+    elif sorted(order) != list(range(count)):
+        raise ValueError(
+            f"plan_buckets: order must be a permutation of range({count}), got {list(order)}"
+        )
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ValueError(
+            f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, "
+            f"first_cap_bytes={first_cap_bytes}"
+        )
+
+    buckets: list[BucketSpec] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+
+    def close(key: tuple[torch.dtype, torch.device]) -> None:
+        indices, numel = open_buckets.pop(key)
+        buckets.append(BucketSpec(tuple(indices), key[0], key[1], numel))
+
+    for index in order:
+        key = (dtypes[index], torch.device(devices[index]))
+        indices, numel = open_buckets.get(key, ([], 0))
+        indices.append(index)
+        numel += numels[index]
+        open_buckets[key] = (indices, numel)
+        cap = first_cap_bytes if not buckets else cap_bytes
+        element_size = torch.empty((), dtype=key[0]).element_size()
+        if numel * element_size >= cap:
+            close(key)
+    # What is left closes in the order the groups first appeared: the same on
+    # every rank, since it depends only on the inputs.
+    for key in list(open_buckets):
+        close(key)
+    return buckets

@@ -1,0 +1,120 @@
+"""Set-up collectives: the cross-rank parameter check and coalesced broadcast.
+
+Plain ``@torch.no_grad()`` functions over explicit arguments. Each is called
+at the same point on every rank, so each rank launches the same collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchreplicate.diagnostics import format_param_mismatch
+
+
+def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each parameter: what every rank must agree on."""
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in zip(names, params)]
+
+
+def fingerprint(description: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
+    """A 63-bit digest of a parameter description, equal iff the descriptions are."""
+    digest = hashlib.sha256(repr(list(description)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@torch.no_grad()
+def verify_params_across_ranks(
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> None:
+    """Checks that every rank holds the same parameters (names, shapes, dtypes).
+
+    One all-gather of a digest on the happy path. On a mismatch, every rank
+    has seen it in the gathered digests, so every rank gathers the full
+    descriptions (a second, agreed collective) and raises the same error.
+
+    Raises:
+        RuntimeError: on every rank, naming the first differing parameter and
+            what each rank has.
+    """
+    description = describe_params(names, params)
+    world_size = dist.get_world_size(group)
+    local = torch.tensor([fingerprint(description)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=group)
+    digests = [int(t.item()) for t in gathered]
+    if len(set(digests)) == 1:
+        return
+    per_rank: list = [None] * world_size
+    dist.all_gather_object(per_rank, description, group=group)
+    raise RuntimeError(format_param_mismatch(per_rank, dist.get_rank(group)))
+
+
+@torch.no_grad()
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    src_rank: int = 0,
+    in_place: bool = True,
+) -> list[torch.Tensor]:
+    """Broadcasts tensors from ``src_rank`` in one collective per device.
+
+    Tensors of every dtype travel together as bytes, so a BatchNorm's float
+    statistics and its int64 counter cost one broadcast, not two.
+
+    Args:
+        tensors: what to broadcast; the same shapes and dtypes on every rank.
+        group: the process group.
+        src_rank: group rank whose values everyone takes. Default 0.
+        in_place: copy the result into ``tensors`` (True, default) or return
+            fresh tensors and leave the inputs untouched (False), for tensors a
+            live autograd graph may have saved.
+
+    Returns:
+        The broadcast tensors: ``tensors`` themselves when ``in_place``, else
+        new tensors in the same order.
+    """
+    results: list[torch.Tensor] = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    src = dist.get_global_rank(group, src_rank)
+    for indices in by_device.values():
+        members = [tensors[i].detach() for i in indices]
+        flat = _pack_bytes(members)
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for i, tensor in zip(indices, members):
+            nbytes = tensor.numel() * tensor.element_size()
+            piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            offset += _padded(nbytes)
+            if in_place:
+                tensor.copy_(piece)
+            else:
+                results[i] = piece
+    return results
+
+
+_ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _pack_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = sum(_padded(t.numel() * t.element_size()) for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset : offset + nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += _padded(nbytes)
+    return flat

@@ -1,0 +1,193 @@
+"""A single-machine launcher: N local processes, one gloo rank each.
+
+From Python, ``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every
+rank and returns the results by rank. From the shell, ``python -m
+torchreplicate.launch --nproc-per-node 2 train.py ARGS`` runs a script as
+``torchrun`` would: each process gets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free ``MASTER_PORT``, and
+calls ``init_process_group()`` itself. A failing rank's traceback is raised
+in the parent and the other ranks are killed; workers die with the parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing
+import os
+import queue
+import runpy
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; carries its rank and traceback."""
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{detail}")
+        self.rank = rank  # the first rank seen failing
+        self.detail = detail  # its traceback, or how it exited
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Asks Linux to kill this process when its parent dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's kill on failure still applies
+
+
+def _worker(
+    rank: int,
+    nprocs: int,
+    port: int,
+    threads: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: "multiprocessing.Queue[tuple[int, bool, Any]]",
+) -> None:
+    die_with_parent()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(*args)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        sys.exit(1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    try:
+        results.put((rank, True, value))
+    except Exception:  # an unpicklable result: report it, not hang
+        results.put((rank, False, f"rank {rank}: its return value cannot be pickled"))
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int = 2,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: Optional[float] = None,
+    threads_per_rank: Optional[int] = None,
+) -> list[Any]:
+    """Runs ``fn(*args)`` in ``nprocs`` local processes, one rank each.
+
+    ``fn`` must be importable (defined at module level) and calls
+    ``torch.distributed.init_process_group("gloo")`` itself; the environment
+    tells it its rank, the world size and the address.
+
+    Args:
+        fn: the function every rank runs.
+        nprocs: number of processes (ranks). Default 2.
+        args: positional arguments for ``fn``. Default none.
+        timeout_s: kill every rank and raise ``TimeoutError`` after this many
+            seconds. Default: no limit.
+        threads_per_rank: torch intra-op threads per rank. Default: the CPU
+            count divided by ``nprocs``, at least 1.
+
+    Returns:
+        ``fn``'s return value on each rank, by rank.
+
+    Raises:
+        WorkerError: a rank raised or died; the others were killed.
+        TimeoutError: ``timeout_s`` passed.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch(): nprocs must be a positive int, got {nprocs!r}")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, nprocs, port, threads, fn, args, results), daemon=False)
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    values: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(values) < nprocs:
+            try:
+                rank, ok, value = results.get(timeout=0.05)
+            except queue.Empty:
+                _check_exits(processes, values)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them")
+                continue
+            if not ok:
+                raise WorkerError(rank, value)
+            values[rank] = value
+        for process in processes:
+            process.join(timeout=30)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+    return [values[rank] for rank in range(nprocs)]
+
+
+def _check_exits(processes: Sequence[multiprocessing.Process], values: dict[int, Any]) -> None:
+    for rank, process in enumerate(processes):
+        if process.exitcode not in (None, 0) and rank not in values:
+            time.sleep(0.2)  # its traceback may still be in the queue's pipe
+            raise WorkerError(rank, f"exited with code {process.exitcode}")
+
+
+def run_script(path: str, argv: Sequence[str]) -> None:
+    """Runs a Python script as ``__main__`` with ``argv``, as torchrun would."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m torchreplicate.launch``: the command-line launcher."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchreplicate.launch",
+        description="Run a training script on N local gloo ranks (like torchrun, one machine).",
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2, help="number of ranks (default 2)")
+    parser.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    options = parser.parse_args(argv)
+    try:
+        launch(run_script, options.nproc_per_node, (options.script, options.script_args), timeout_s=options.timeout)
+    except WorkerError as error:
+        print(f"torchreplicate.launch: {error}", file=sys.stderr)
+        return 1
+    except TimeoutError as error:
+        print(f"torchreplicate.launch: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""The gradient reducer: readiness bookkeeping, launching, finalising.
+
+One ``Reducer`` per replicated module. It owns the flat bucket buffers, a
+post-accumulate-grad hook per parameter, and the end-of-backward callback
+that completes the step.
+
+[Note: one collective sequence]
+Every rank must launch the same collectives in the same order, whatever its
+own graph did. So buckets are launched strictly by index, each exactly once
+per synchronised backward, and the last bucket is always launched from the
+end-of-backward callback. A rank may launch bucket ``k`` early (from a
+gradient hook, overlapping backward) or late (from the callback); only the
+timing differs, never the sequence. Anything a rank knows alone travels in
+the last bucket, as a tail of ``num_params + 1`` elements: element ``i`` is 1
+where this rank holds a gradient for parameter ``i`` and element
+``num_params`` is 1 where a gradient arrived after its bucket was launched.
+After the last bucket is reduced, every rank reads the same sums and takes the
+same decisions: a parameter with no gradient on any rank keeps ``grad=None``;
+any late gradient anywhere triggers one more agreed round (``_reduce_late``).
+With a comm hook the tail travels as its own small all-reduce, since hooks
+may compress the bucket.
+
+[Note: when is a parameter ready]
+A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
+can be several times in one backward (reentrant checkpointing runs nested
+backward passes). The reducer counts firings per parameter and learns the
+count each parameter reached in earlier synchronised steps (``expected``, a
+running maximum). A bucket is launched from a hook only when every one of its
+parameters has reached its expected count; until a parameter has been seen,
+its expected count is 0 and its bucket waits for the end of backward. The
+first step thus reduces everything at the end; later static steps overlap.
+If a parameter fires again after its bucket was launched (the graph changed),
+the gradient must not race with the collective that reads the bucket: at
+launch, each parameter's ``.grad`` is detached from the bucket, so a late
+accumulation lands in a fresh tensor, which the late round reduces.
+
+[Note: end of backward]
+The callback is queued from a hook on the forward outputs (the outermost
+backward pass reaches them first), or, when no forward hook ran (a method
+other than ``forward``), from the first parameter hook of the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.buckets import BucketSpec, plan_buckets
+from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
+from torchreplicate.engine_callback import queue_end_of_backward_callback
+
+_NEVER = 1 << 60  # pending count of a bucket that cannot become ready from hooks
+
+
+class Bucket:
+    """One flat gradient buffer and the parameters laid out in it."""
+
+    def __init__(self, index: int, spec: BucketSpec, params: Sequence[nn.Parameter], tail: int) -> None:
+        self.index = index  # position in the launch order
+        self.param_indices = spec.param_indices  # reducer indices, in buffer order
+        # The flat buffer: the gradients, then ``tail`` extra elements (the
+        # shared tail of [Note: one collective sequence], last bucket only).
+        self.buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
+        self.grads = self.buffer[: spec.numel]  # the gradient part, what comm hooks see
+        self.tail = self.buffer[spec.numel :]
+        self.views: list[torch.Tensor] = []  # per parameter, shaped like it
+        offset = 0
+        for index_ in spec.param_indices:
+            param = params[index_]
+            self.views.append(self.grads[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self.work: Optional[dist.Work] = None  # default path: in-flight all-reduce
+        self.future: Optional[torch.futures.Future] = None  # comm hook path
+        self.hook_bucket: Optional[GradBucket] = None  # what the hook was given
+
+
+class Reducer:
+    """Averages gradients across ranks after every synchronised backward.
+
+    Args:
+        params: the parameters to reduce, in registration order.
+        names: their fully qualified names, for error messages.
+        group: the process group to reduce over.
+        bucket_cap_bytes: bucket size cap.
+        first_bucket_cap_bytes: cap of the first bucket.
+        gradient_as_bucket_view: make ``p.grad`` a view into its bucket.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group: dist.ProcessGroup,
+        *,
+        bucket_cap_bytes: int,
+        first_bucket_cap_bytes: int,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.params = list(params)  # the reduced parameters
+        self.names = list(names)  # their FQNs
+        self.group = group  # process group of the collectives
+        self.world_size = dist.get_world_size(group)  # divisor of the mean
+        self.rank = dist.get_rank(group)  # for error messages
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.requires_sync = True  # False inside no_sync(): accumulate locally
+        self.num_steps = 0  # synchronised backwards completed
+        self.comm_hook: Optional[CommHook] = None  # user comm hook, if any
+        self.comm_hook_state: Any = None  # its state argument
+        self.callback_queued = False  # finalise already queued for this backward
+        num_params = len(self.params)
+        self.num_params = num_params
+        self.expected = [0] * num_params  # learned firings per step ([Note: when is a parameter ready])
+        self.fired = [0] * num_params  # firings in this backward
+        self.late = False  # a gradient arrived after its bucket launched
+        self.saved_grads: list[Optional[torch.Tensor]] = [None] * num_params  # copy mode: .grad held aside
+        self.buckets: list[Bucket] = []
+        self.param_bucket: list[int] = [0] * num_params  # bucket of each parameter
+        self.param_view: list[Optional[torch.Tensor]] = [None] * num_params  # slot of each parameter
+        self.pending_start: list[int] = []  # per bucket: firings to wait for, at step start
+        self.pending: list[int] = []  # per bucket: firings still awaited
+        self.launched: list[bool] = []  # per bucket: launched in this backward
+        self.next_launch = 0  # lowest bucket index not launched yet
+        self.detached: list[int] = []  # buckets launched from hooks in this backward
+        self.hook_handles: list[Any] = []
+        self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
+        self._install_hooks()
+
+    # -- set-up ------------------------------------------------------------
+
+    def _build_buckets(self, cap_bytes: int, first_cap_bytes: int) -> None:
+        specs = plan_buckets(
+            [p.numel() for p in self.params],
+            [p.dtype for p in self.params],
+            [p.device for p in self.params],
+            cap_bytes=cap_bytes,
+            first_cap_bytes=first_cap_bytes,
+        )
+        last = len(specs) - 1
+        for index, spec in enumerate(specs):
+            tail = self.num_params + 1 if index == last else 0
+            bucket = Bucket(index, spec, self.params, tail)
+            self.buckets.append(bucket)
+            for param_index, view in zip(spec.param_indices, bucket.views):
+                self.param_bucket[param_index] = index
+                self.param_view[param_index] = view
+        self.launched = [False] * len(self.buckets)
+        self._recompute_pending()
+        self.pending = list(self.pending_start)
+        if self.gradient_as_bucket_view:
+            for param, view in zip(self.params, self.param_view):
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                    param.grad = view
+
+    def _install_hooks(self) -> None:
+        for index, param in enumerate(self.params):
+            hook = functools.partial(self._on_grad_accumulated, index)
+            self.hook_handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        """Detaches the reducer from its parameters (before a re-plan)."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
+
+    def _recompute_pending(self) -> None:
+        self.pending_start = []
+        for bucket in self.buckets:
+            counts = [self.expected[i] for i in bucket.param_indices]
+            self.pending_start.append(_NEVER if 0 in counts else len(counts))
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Routes every bucket through ``hook(state, bucket)``; see comm_hooks.py."""
+        check_comm_hook(hook)
+        if self.comm_hook is not None:
+            raise RuntimeError(
+                "register_comm_hook(): a comm hook is already registered; it can be "
+                "registered only once"
+            )
+        if self.num_steps > 0:
+            raise RuntimeError(
+                f"register_comm_hook(): training already ran {self.num_steps} synchronised "
+                "step(s); register the hook before the first backward"
+            )
+        self.comm_hook = hook
+        self.comm_hook_state = state
+
+    # -- backward: the hot path --------------------------------------------
+
+    def queue_finalize(self) -> None:
+        """Queues the end-of-backward work, once per backward."""
+        if not self.callback_queued and self.requires_sync:
+            self.callback_queued = True
+            queue_end_of_backward_callback(self._finalize)
+
+    def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+        # Runs after every accumulation into param.grad: keep it short.
+        if not self.requires_sync:
+            if self.gradient_as_bucket_view and param.grad is not self.param_view[index]:
+                self._adopt_grad(index, param)
+            return
+        if not self.callback_queued:
+            self.queue_finalize()
+        fired = self.fired[index] + 1
+        self.fired[index] = fired
+        bucket_index = self.param_bucket[index]
+        if self.launched[bucket_index]:
+            self.late = True  # the fresh .grad is reduced by the late round
+            return
+        if self.gradient_as_bucket_view and param.grad is not self.param_view[index]:
+            self._adopt_grad(index, param)
+        if fired == self.expected[index]:
+            pending = self.pending[bucket_index] - 1
+            self.pending[bucket_index] = pending
+            if pending == 0:
+                self._launch_ready()
+
+    def _adopt_grad(self, index: int, param: nn.Parameter) -> None:
+        # .grad was set to None (zero_grad) or replaced: move it into the bucket
+        view = self.param_view[index]
+        view.copy_(param.grad)
+        param.grad = view
+
+    def _launch_ready(self) -> None:
+        # Launch, in index order, every ready bucket but the last ([Note: one
+        # collective sequence]).
+        last = len(self.buckets) - 1
+        index = self.next_launch
+        while index < last and self.pending[index] == 0:
+            self._launch_from_hook(self.buckets[index])
+            index += 1
+        self.next_launch = index
+
+    def _launch_from_hook(self, bucket: Bucket) -> None:
+        # Every parameter here reached its expected count, so has a gradient.
+        # Detach .grad from the bucket ([Note: when is a parameter ready]).
+        params = self.params
+        if self.gradient_as_bucket_view:
+            for index in bucket.param_indices:
+                params[index].grad = None
+        else:
+            for index, view in zip(bucket.param_indices, bucket.views):
+                grad = params[index].grad
+                view.copy_(grad)
+                self.saved_grads[index] = grad
+                params[index].grad = None
+        self.detached.append(bucket.index)
+        self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self.launched[bucket.index] = True
+        is_last = bucket.index == len(self.buckets) - 1
+        if self.comm_hook is None:
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            return
+        hook_bucket = GradBucket(
+            bucket.index,
+            is_last,
+            bucket.grads,
+            [self.params[i] for i in bucket.param_indices],
+            bucket.views,
+        )
+        bucket.hook_bucket = hook_bucket
+        bucket.future = self.comm_hook(self.comm_hook_state, hook_bucket)
+        if not isinstance(bucket.future, torch.futures.Future):
+            raise TypeError(
+                f"comm hook: must return a torch.futures.Future, but for bucket "
+                f"{bucket.index} returned {type(bucket.future).__name__}"
+            )
+
+    # -- end of backward ---------------------------------------------------
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        self.callback_queued = False
+        try:
+            self._finish_step()
+        finally:
+            self._reset_step()
+
+    def _finish_step(self) -> None:
+        last = len(self.buckets) - 1
+        unused_here: list[int] = []
+        for bucket in self.buckets[self.next_launch :]:
+            self._fill_at_end(bucket, unused_here)
+            if bucket.index == last:
+                self._write_tail(bucket, unused_here)
+            self._launch(bucket)
+        tail_work = None
+        tail = self.buckets[last].tail
+        if self.comm_hook is not None:
+            tail_work = dist.all_reduce(tail, group=self.group, async_op=True)
+        for bucket in self.buckets:
+            self._wait(bucket)
+        if tail_work is not None:
+            tail_work.wait()
+        unused_everywhere, any_late = self._read_tail(tail, unused_here)
+        late_grads = self._restore_grads(unused_everywhere)
+        if any_late:
+            self._reduce_late(late_grads)
+        self._learn_expected()
+        self.num_steps += 1
+
+    def _fill_at_end(self, bucket: Bucket, unused_here: list[int]) -> None:
+        # Backward is over: make each slot hold this rank's contribution.
+        fired = self.fired
+        params = self.params
+        as_view = self.gradient_as_bucket_view
+        for index, view in zip(bucket.param_indices, bucket.views):
+            if as_view and fired[index]:
+                continue  # the hook already put .grad in the slot
+            grad = params[index].grad
+            if grad is None:
+                view.zero_()
+                unused_here.append(index)
+            elif grad is not view:
+                view.copy_(grad)
+
+    def _write_tail(self, bucket: Bucket, unused_here: list[int]) -> None:
+        tail = bucket.tail
+        tail.fill_(1)
+        if unused_here:
+            tail[torch.tensor(unused_here, device=tail.device)] = 0
+        tail[self.num_params] = 1 if self.late else 0
+
+    def _wait(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+            bucket.grads.div_(self.world_size)
+            return
+        future, bucket.future = bucket.future, None
+        result = hook_result(future.wait(), bucket.hook_bucket)
+        bucket.hook_bucket = None
+        if result.data_ptr() != bucket.grads.data_ptr() or result.dtype != bucket.grads.dtype:
+            bucket.grads.copy_(result.reshape(-1))
+
+    def _read_tail(self, tail: torch.Tensor, unused_here: list[int]) -> tuple[set[int], bool]:
+        # Same sums on every rank, hence the same decisions.
+        any_late = bool(tail[self.num_params] > 0)
+        if not unused_here:
+            return set(), any_late  # used here, so used somewhere
+        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
+        return {i for i, c in zip(unused_here, counts) if c == 0}, any_late
+
+    def _restore_grads(self, unused_everywhere: set[int]) -> dict[int, torch.Tensor]:
+        # Point every .grad at its reduced value; collect late local gradients.
+        late_grads: dict[int, torch.Tensor] = {}
+        params = self.params
+        as_view = self.gradient_as_bucket_view
+        detached = set(self.detached)
+        for bucket in self.buckets:
+            was_detached = bucket.index in detached
+            for index, view in zip(bucket.param_indices, bucket.views):
+                param = params[index]
+                if was_detached:
+                    if param.grad is not None:
+                        late_grads[index] = param.grad
+                    if as_view:
+                        param.grad = view
+                    else:
+                        grad = self.saved_grads[index]
+                        self.saved_grads[index] = None
+                        grad.copy_(view)
+                        param.grad = grad
+                elif index in unused_everywhere:
+                    param.grad = None
+                elif as_view:
+                    if param.grad is not view:
+                        param.grad = view
+                elif param.grad is None:
+                    param.grad = view.clone()
+                else:
+                    param.grad.copy_(view)
+        return late_grads
+
+    def _reduce_late(self, late_grads: dict[int, torch.Tensor]) -> None:
+        # One more agreed round: every rank sends its late gradients (zeros
+        # where it has none), bucket by bucket, and adds their mean.
+        for bucket in self.buckets:
+            extra = torch.zeros_like(bucket.grads)
+            pieces = []
+            offset = 0
+            for index in bucket.param_indices:
+                param = self.params[index]
+                piece = extra[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                if index in late_grads:
+                    piece.copy_(late_grads[index])
+                pieces.append(piece)
+            dist.all_reduce(extra, group=self.group)
+            extra.div_(self.world_size)
+            for index, piece in zip(bucket.param_indices, pieces):
+                param = self.params[index]
+                if param.grad is None:
+                    param.grad = piece.clone()
+                else:
+                    param.grad.add_(piece)
+
+    def _learn_expected(self) -> None:
+        if self.fired == self.expected:
+            return
+        learned = [max(a, b) for a, b in zip(self.expected, self.fired)]
+        if learned != self.expected:
+            self.expected = learned
+            self._recompute_pending()
+
+    def _reset_step(self) -> None:
+        self.fired = [0] * self.num_params
+        self.pending = list(self.pending_start)
+        self.launched = [False] * len(self.buckets)
+        self.next_launch = 0
+        self.detached = []
+        self.late = False
+

@@ -1,0 +1,236 @@
+"""Per-module state of a replicated module: set-up and forward hooks.
+
+``ReplicateState`` decides which parameters and buffers are replicated,
+checks them across ranks, broadcasts rank 0's values, builds the reducer and
+installs the forward hooks. Gradient reduction itself is in reducer.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.collectives import broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.config import ReplicateConfig
+from torchreplicate.reducer import Reducer
+
+MiB = 1024 * 1024
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether PyTorch's ``fully_shard`` (FSDP2) manages ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+class ReplicateState:
+    """What ``replicate()`` keeps for one module; ``replicate.state(module)``.
+
+    Args:
+        module: the root module ``replicate()`` was applied to.
+        config: its validated options.
+    """
+
+    def __init__(self, module: nn.Module, config: ReplicateConfig) -> None:
+        self.module = module  # the replicated root
+        self.config = config  # options, frozen
+        self.group: Optional[dist.ProcessGroup] = None  # resolved at init
+        self.params: list[nn.Parameter] = []  # replicated parameters, registration order
+        self._param_names: list[str] = []  # their fully qualified names
+        self._buffers: list[tuple[nn.Module, str]] = []  # (owner, name) of replicated buffers
+        self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
+        self.requires_gradient_sync = True  # mirrors set_requires_gradient_sync()
+        self._comm_hook: Optional[tuple[Any, Any]] = None  # (state, hook) as registered
+        self._checked_at_forward = False  # first forward re-checked the parameters
+        self._world_size = 1  # size of the group, resolved at init
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True),
+            module.register_forward_hook(self._post_forward),
+        ]
+
+    # -- public --------------------------------------------------------------
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """Fully qualified names of the replicated parameters, as in ``named_parameters()``."""
+        return tuple(self._param_names)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the process group."""
+        return self._world_size
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """See ``ReplicateModule.set_requires_gradient_sync``."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                "set_requires_gradient_sync(): expected a bool, got "
+                f"{type(requires_gradient_sync).__name__}"
+            )
+        self.requires_gradient_sync = requires_gradient_sync
+        if self.reducer is not None:
+            self.reducer.requires_sync = requires_gradient_sync
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """See ``ReplicateModule.register_comm_hook``."""
+        if self.reducer is None and self.params:
+            self.reducer = self._build_reducer()  # world size 1: reduce only for the hook
+        if self.reducer is None:
+            raise RuntimeError(
+                "register_comm_hook(): this module has no replicated parameters "
+                "(all ignored, frozen or managed by fully_shard)"
+            )
+        self.reducer.register_comm_hook(state, hook)
+        self._comm_hook = (state, hook)
+
+    def remove_hooks(self) -> None:
+        """Removes every hook ``replicate()`` installed (forward and gradient)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+            self.reducer = None
+
+    # -- set-up ----------------------------------------------------------------
+
+    def init(self) -> None:
+        """Collects, checks and broadcasts parameters; builds the reducer.
+
+        Runs at ``replicate()`` and again at the first forward if the set of
+        replicated parameters changed in between (``fully_shard`` applied to a
+        child after ``replicate`` on the root).
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "replicate(): torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() first (torchrun or "
+                "torchreplicate.launch set up its environment)"
+            )
+        self.group = self.config.process_group or dist.group.WORLD
+        self._world_size = dist.get_world_size(self.group)
+        if self.config.device_id is not None:
+            self.module.to(self.config.device_id)
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+            self.reducer = None
+        names, params = self._collect_params()
+        self.params, self._param_names = params, names
+        self._buffers = list(self._collect_buffers())
+        device = self._collective_device()
+        verify_params_across_ranks(names, params, self.group, device)
+        if self.world_size > 1:
+            broadcast_coalesced([p.detach() for p in params] + self._buffer_values(), self.group)
+        if params and (self.world_size > 1 or self._comm_hook is not None):
+            self.reducer = self._build_reducer()
+            if self._comm_hook is not None:
+                self.reducer.register_comm_hook(*self._comm_hook)
+
+    def _build_reducer(self) -> Reducer:
+        reducer = Reducer(
+            self.params,
+            self._param_names,
+            self.group,
+            bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
+            first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
+            gradient_as_bucket_view=self.config.gradient_as_bucket_view,
+        )
+        reducer.requires_sync = self.requires_gradient_sync
+        return reducer
+
+    def _skipped_modules(self) -> list[nn.Module]:
+        skipped = list(self.config.ignored_modules)
+        skipped += [m for m in self.module.modules() if m is not self.module and is_fully_sharded(m)]
+        return skipped
+
+    def _collect_params(self) -> tuple[list[str], list[nn.Parameter]]:
+        skipped_ids = {id(p) for m in self._skipped_modules() for p in m.parameters()}
+        names, params = [], []
+        for name, param in self.module.named_parameters():
+            if id(param) in skipped_ids or not param.requires_grad:
+                continue
+            names.append(name)
+            params.append(param)
+        return names, params
+
+    def _collect_buffers(self) -> Iterator[tuple[nn.Module, str]]:
+        skipped_ids = {id(b) for m in self._skipped_modules() for b in m.buffers()}
+        seen: set[int] = set()
+        for module in self.module.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is None or id(buffer) in skipped_ids or id(buffer) in seen:
+                    continue
+                seen.add(id(buffer))
+                yield module, name
+
+    def _buffer_values(self) -> list[torch.Tensor]:
+        return [getattr(owner, name) for owner, name in self._buffers]
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        for tensor in list(self.params) + self._buffer_values():
+            return tensor.device
+        return torch.device("cpu")
+
+    # -- forward hooks -------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._checked_at_forward:
+            self._checked_at_forward = True
+            current = [id(p) for p in self._collect_params()[1]]
+            if current != [id(p) for p in self.params]:
+                self.init()
+        if self.config.broadcast_buffers and self._buffers and self.world_size > 1:
+            self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        # Out of place: a graph from an earlier forward may have saved the old
+        # tensors (two forwards through BatchNorm before one backward).
+        fresh = broadcast_coalesced(self._buffer_values(), self.group, in_place=False)
+        for (owner, name), tensor in zip(self._buffers, fresh):
+            setattr(owner, name, tensor)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        reducer = self.reducer
+        if reducer is None or not torch.is_grad_enabled():
+            return output
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(_OutputGradHook(reducer))
+        return output
+
+
+class _OutputGradHook:
+    # Queues the reducer's end-of-backward work from the outermost backward
+    # pass ([Note: end of backward] in reducer.py).
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.reducer.queue_finalize()
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+def warn_no_effect(option: str, value: Any, why: str) -> None:
+    """Warns that a DDP option is accepted for compatibility but changes nothing."""
+    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=3)
