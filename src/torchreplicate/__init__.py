@@ -7,8 +7,17 @@ every backward, each parameter's ``.grad`` is the mean over all ranks.
 from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.comm_hooks import GradBucket
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.launch import launch
 from torchreplicate.state import ReplicateState
 
 __all__ = ["GradBucket", "ReplicateConfig", "ReplicateModule", "ReplicateState", "launch", "replicate"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The launcher loads on first use, so `python -m torchreplicate.launch`
+    # does not find its own module imported already.
+    if name == "launch":
+        from torchreplicate.launch import launch
+
+        return launch
+    raise AttributeError(f"module 'torchreplicate' has no attribute {name!r}")

@@ -1,0 +1,129 @@
+"""replicate()'s contract: in place, same class and keys, registry, what is replicated."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import MLP
+from torchreplicate import ReplicateModule, replicate
+
+
+def check_in_place(rank, world_size):
+    model = MLP()
+    keys = list(model.state_dict())
+    returned = replicate(model)
+    assert returned is model
+    assert isinstance(model, MLP) and isinstance(model, ReplicateModule)
+    assert list(model.state_dict()) == keys, "state_dict keys changed"
+    state = replicate.state(model)
+    assert state.param_names == tuple(name for name, _ in model.named_parameters())
+    with pytest.raises(RuntimeError, match="already applied"):
+        replicate(model)
+    other = MLP()
+    with pytest.raises(ValueError, match="not managed by replicate"):
+        replicate.state(other)
+    # a plain copy of the weights loads back into the replicated module
+    model.load_state_dict(copy.deepcopy(model.state_dict()))
+    return type(model).__name__
+
+
+def test_in_place_contract(pools):
+    assert pools.run(2, check_in_place) == ["ReplicateMLP", "ReplicateMLP"]
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        self.frozen = nn.Linear(4, 2)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("scale", torch.ones(4))
+        self.head.register_buffer("head_scale", torch.ones(2))
+
+    def forward(self, x):
+        h = self.trunk(x) * self.scale
+        return self.head(h).sum() + self.frozen(h).sum()
+
+
+def check_ignored_and_frozen(rank, world_size):
+    torch.manual_seed(rank)
+    model = TwoHeads()
+    with torch.no_grad():
+        model.head.head_scale.fill_(float(rank))
+    head_before = [p.detach().clone() for p in model.head.parameters()]
+    replicate(model, ignored_modules=[model.head])
+    names = replicate.state(model).param_names
+    assert names == ("trunk.weight", "trunk.bias"), names
+    # ignored parameters and buffers are not broadcast
+    for p, q in zip(model.head.parameters(), head_before):
+        assert torch.equal(p, q)
+    assert torch.equal(model.head.head_scale, torch.full((2,), float(rank)))
+    x = torch.full((2, 4), float(rank + 1))
+    model(x).backward()
+    # the ignored head keeps its local gradient; the trunk's is averaged
+    local_head = model.head[1].weight.grad.clone()
+    gathered = [torch.empty_like(local_head) for _ in range(world_size)]
+    dist.all_gather(gathered, local_head)
+    trunk = model.trunk.weight.grad.clone()
+    gathered_trunk = [torch.empty_like(trunk) for _ in range(world_size)]
+    dist.all_gather(gathered_trunk, trunk)
+    assert all(torch.equal(t, trunk) for t in gathered_trunk)
+    assert not torch.equal(gathered[0], gathered[1]), "ignored module's gradient was averaged"
+    assert model.frozen.weight.grad is None
+    return True
+
+
+def test_ignored_modules_and_frozen_params(pools):
+    assert all(pools.run(2, check_ignored_and_frozen))
+
+
+def check_fully_shard_interplay(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = MLP()
+    fully_shard(sharded, mesh=mesh)
+    with pytest.raises(RuntimeError, match="Cannot apply `replicate\\(\\)` on a Module already managed by `fully_shard`"):
+        replicate(sharded)
+
+    # fully_shard child first: its parameters are skipped
+    model = MLP()
+    fully_shard(model.body, mesh=mesh)
+    replicate(model)
+    assert replicate.state(model).param_names == ("head.weight", "head.bias")
+
+    # replicate on the root first, fully_shard on a child after: the first forward re-plans
+    torch.manual_seed(rank)
+    late = MLP()
+    replicate(late)
+    assert len(replicate.state(late).param_names) == 8
+    fully_shard(late.body, mesh=mesh)
+    x = torch.randn(4, 32) * (rank + 1)
+    late(x).pow(2).mean().backward()
+    state = replicate.state(late)
+    assert state.param_names == ("head.weight", "head.bias")
+    head = late.head.weight.grad.clone()
+    gathered = [torch.empty_like(head) for _ in range(world_size)]
+    dist.all_gather(gathered, head)
+    assert all(torch.equal(g, head) for g in gathered), "head gradient not averaged"
+    return True
+
+
+def test_fully_shard_refused_skipped_and_applied_after(pools):
+    assert all(pools.run(2, check_fully_shard_interplay))
+
+
+def check_world_size_one_has_no_reducer(rank, world_size):
+    model = MLP()
+    replicate(model)
+    model(torch.randn(2, 32)).sum().backward()
+    return replicate.state(model).reducer is None and all(p.grad is not None for p in model.parameters())
+
+
+def test_world_size_one_adds_no_work(pools):
+    assert pools.run(1, check_world_size_one_has_no_reducer) == [True]

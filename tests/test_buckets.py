@@ -1,0 +1,76 @@
+"""Bucket planning, without a process group."""
+
+import pytest
+import torch
+
+from torchreplicate.buckets import MiB, plan_buckets
+
+F32, F16 = torch.float32, torch.float16
+CPU = torch.device("cpu")
+
+
+def plan(numels, dtypes=None, **kw):
+    dtypes = dtypes or [F32] * len(numels)
+    return plan_buckets(numels, dtypes, [CPU] * len(numels), **kw)
+
+
+def test_reverse_order_and_every_param_once():
+    buckets = plan([10, 20, 30, 40], cap_bytes=10**9, first_cap_bytes=10**9)
+    assert [b.param_indices for b in buckets] == [(3, 2, 1, 0)]
+    assert buckets[0].numel == 100
+
+
+def test_small_first_bucket_then_cap():
+    # 4-byte floats: first cap 100 B = 25 elements, then 400 B = 100 elements
+    buckets = plan([30] * 8, cap_bytes=400, first_cap_bytes=100)
+    assert [b.param_indices for b in buckets] == [(7,), (6, 5, 4, 3), (2, 1, 0)]
+    assert sorted(i for b in buckets for i in b.param_indices) == list(range(8))
+
+
+def test_param_larger_than_cap_gets_own_bucket():
+    buckets = plan([5, 1000, 5], cap_bytes=40, first_cap_bytes=40)
+    assert [b.param_indices for b in buckets] == [(2, 1), (0,)]
+    assert buckets[0].numel == 1005
+
+
+def test_dtypes_never_share_a_bucket():
+    buckets = plan([4, 4, 4, 4], [F32, F16, F32, F16], cap_bytes=10**9, first_cap_bytes=10**9)
+    assert {b.dtype for b in buckets} == {F32, F16}
+    for b in buckets:
+        assert all([F32, F16, F32, F16][i] == b.dtype for i in b.param_indices)
+
+
+def test_cap_counts_bytes_not_elements():
+    # 16 fp16 elements = 32 bytes: two of them reach a 64-byte cap
+    buckets = plan([16] * 4, [F16] * 4, cap_bytes=64, first_cap_bytes=64)
+    assert [b.param_indices for b in buckets] == [(3, 2), (1, 0)]
+
+
+def test_explicit_order():
+    buckets = plan([10, 10, 10], order=[0, 2, 1], cap_bytes=10**9, first_cap_bytes=10**9)
+    assert buckets[0].param_indices == (0, 2, 1)
+
+
+def test_default_caps_are_ddp_like():
+    numels = [256 * 256] * 40  # 256 KiB each
+    buckets = plan(numels)
+    assert buckets[0].numel * 4 >= 1 * MiB and buckets[0].numel * 4 < 2 * MiB
+    assert all(b.numel * 4 <= 26 * MiB for b in buckets)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"order": [0, 0, 1]}, "permutation"),
+        ({"cap_bytes": 0}, "positive"),
+        ({"first_cap_bytes": -1}, "positive"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan([1, 2, 3], **kwargs)
+
+
+def test_mismatched_lengths():
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        plan_buckets([1, 2], [F32], [CPU, CPU])

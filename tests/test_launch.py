@@ -1,0 +1,81 @@
+"""The single-machine launcher, from Python and from the command line."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import launch_targets
+from torchreplicate.launch import WorkerError, launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def test_launch_returns_results_by_rank():
+    results = launch(launch_targets.rank_and_sum, 3, timeout_s=120)
+    assert results == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+
+
+def test_worker_error_names_rank_and_kills_the_rest():
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(launch_targets.rank_one_fails, 2, timeout_s=120)
+    assert info.value.rank == 1
+    assert "ValueError: boom on rank one" in str(info.value)
+    assert time.monotonic() - started < 60, "the waiting rank was not killed promptly"
+    assert multiprocessing.active_children() == []
+
+
+def test_timeout_kills_every_rank():
+    with pytest.raises(TimeoutError, match="after 3 s"):
+        launch(launch_targets.sleeps_forever, 2, timeout_s=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_bad_nprocs():
+    with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
+        launch(launch_targets.rank_and_sum, 0)
+
+
+def _run(command, timeout=180):
+    """Runs a command in its own session; on timeout kills the whole session."""
+    env = dict(os.environ, PYTHONPATH=TESTS)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def test_command_line_runs_the_example():
+    done = _run([sys.executable, "-m", "torchreplicate.launch", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"])
+    assert done.returncode == 0, done.stderr
+    assert "identical: True" in done.stdout and "match: True" in done.stdout
+    assert "RuntimeWarning" not in done.stderr
+
+
+def test_command_line_reports_failure(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one gives up')\n")
+    done = _run([sys.executable, "-m", "torchreplicate.launch", "--nproc-per-node", "2", str(script)])
+    assert done.returncode == 1
+    assert "rank 1 failed" in done.stderr
+
+
+def test_same_script_runs_under_torchrun():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip(f"torchrun is not installed beside {sys.executable}")
+    done = _run([torchrun, "--standalone", "--nproc-per-node=2", "examples/train.py", "--steps", "30"])
+    assert done.returncode == 0, done.stderr
+    assert "identical: True" in done.stdout and "match: True" in done.stdout
