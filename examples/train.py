@@ -2,7 +2,7 @@
 
 Run with our launcher or with torchrun, unchanged:
 
-    python -m torchreplicate.launch --nproc-per-node 2 examples/train.py
+    python -m torchreplicate.launcher --nproc-per-node 2 examples/train.py
     torchrun --nproc-per-node=2 examples/train.py
 
 Each rank trains on its own slice of every global batch. At the end the ranks

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m torchreplicate.launch --nproc-per-node 2 --timeout 600 examples/train.py "$@"
+exec .venv/bin/python -m torchreplicate.launcher --nproc-per-node 2 --timeout 600 examples/train.py "$@"

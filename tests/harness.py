@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from torchreplicate.launch import die_with_parent, free_port
+from torchreplicate.launcher import die_with_parent, free_port
 
 TASK_TIMEOUT_S = 120.0  # one test function on every rank
 PG_TIMEOUT_S = 60  # a collective waiting longer fails instead of hanging

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import launch_targets
-from torchreplicate.launch import WorkerError, launch
+from torchreplicate.launcher import WorkerError, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -21,20 +21,26 @@ def test_launch_returns_results_by_rank():
     assert results == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
 
 
+def _children() -> set:
+    return {p.pid for p in multiprocessing.active_children()}
+
+
 def test_worker_error_names_rank_and_kills_the_rest():
+    before = _children()  # the session's test pools live on
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
         launch(launch_targets.rank_one_fails, 2, timeout_s=120)
     assert info.value.rank == 1
     assert "ValueError: boom on rank one" in str(info.value)
     assert time.monotonic() - started < 60, "the waiting rank was not killed promptly"
-    assert multiprocessing.active_children() == []
+    assert _children() - before == set(), "a launched rank outlived launch()"
 
 
 def test_timeout_kills_every_rank():
+    before = _children()
     with pytest.raises(TimeoutError, match="after 3 s"):
         launch(launch_targets.sleeps_forever, 2, timeout_s=3)
-    assert multiprocessing.active_children() == []
+    assert _children() - before == set(), "a launched rank outlived launch()"
 
 
 def test_bad_nprocs():
@@ -58,7 +64,7 @@ def _run(command, timeout=180):
 
 
 def test_command_line_runs_the_example():
-    done = _run([sys.executable, "-m", "torchreplicate.launch", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"])
+    done = _run([sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"])
     assert done.returncode == 0, done.stderr
     assert "identical: True" in done.stdout and "match: True" in done.stdout
     assert "RuntimeWarning" not in done.stderr
@@ -67,7 +73,7 @@ def test_command_line_runs_the_example():
 def test_command_line_reports_failure(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one gives up')\n")
-    done = _run([sys.executable, "-m", "torchreplicate.launch", "--nproc-per-node", "2", str(script)])
+    done = _run([sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", str(script)])
     assert done.returncode == 1
     assert "rank 1 failed" in done.stderr
 

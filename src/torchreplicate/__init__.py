@@ -17,7 +17,7 @@ def __getattr__(name: str):
     # The launcher loads on first use, so `python -m torchreplicate.launch`
     # does not find its own module imported already.
     if name == "launch":
-        from torchreplicate.launch import launch
+        from torchreplicate.launcher import launch
 
         return launch
     raise AttributeError(f"module 'torchreplicate' has no attribute {name!r}")

@@ -112,7 +112,7 @@ class ReplicateState:
             raise RuntimeError(
                 "replicate(): torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group() first (torchrun or "
-                "torchreplicate.launch set up its environment)"
+                "torchreplicate.launcher set up its environment)"
             )
         self.group = self.config.process_group or dist.group.WORLD
         self._world_size = dist.get_world_size(self.group)

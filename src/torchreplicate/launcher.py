@@ -2,7 +2,7 @@
 
 From Python, ``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every
 rank and returns the results by rank. From the shell, ``python -m
-torchreplicate.launch --nproc-per-node 2 train.py ARGS`` runs a script as
+torchreplicate.launcher --nproc-per-node 2 train.py ARGS`` runs a script as
 ``torchrun`` would: each process gets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free ``MASTER_PORT``, and
 calls ``init_process_group()`` itself. A failing rank's traceback is raised
@@ -168,9 +168,9 @@ def run_script(path: str, argv: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m torchreplicate.launch``: the command-line launcher."""
+    """``python -m torchreplicate.launcher``: the command-line launcher."""
     parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.launch",
+        prog="python -m torchreplicate.launcher",
         description="Run a training script on N local gloo ranks (like torchrun, one machine).",
     )
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2, help="number of ranks (default 2)")
