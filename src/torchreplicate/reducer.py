@@ -395,11 +395,12 @@ class Reducer:
             dist.all_reduce(extra, group=self.group)
             extra.div_(self.world_size)
             for index, piece in zip(bucket.param_indices, pieces):
-                param = self.params[index]
-                if param.grad is None:
-                    param.grad = piece.clone()
-                else:
-                    param.grad.add_(piece)
+                # A late gradient anywhere means the parameter was used there,
+                # so every rank now holds a .grad for it; None means unused
+                # everywhere, and nothing late can have arrived for it.
+                grad = self.params[index].grad
+                if grad is not None:
+                    grad.add_(piece)
 
     def _learn_expected(self) -> None:
         if self.fired == self.expected:
