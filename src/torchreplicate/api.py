@@ -85,6 +85,8 @@ def replicate(
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
+    reduce_dtype: Optional[torch.dtype] = None,
+    gradient_divide_factor: Optional[float] = None,
 ) -> nn.Module:
     """Makes ``module`` a data-parallel replica, in place, and returns it.
 
@@ -116,6 +118,12 @@ def replicate(
             parameters are always handled, so True only warns. Default False.
         static_graph: accepted for DDP call sites; the reducer learns the
             graph by itself, so True only warns. Default False.
+        reduce_dtype: dtype gradients travel in (e.g. ``torch.bfloat16``,
+            half the bytes); results are written back in the parameters'
+            dtype. Default None: the parameters' own dtype.
+        gradient_divide_factor: the reduced sum is divided by this. Default
+            None: the world size (a mean). 1 gives a sum, for losses normalised
+            by a global token count (see the README).
 
     Returns:
         ``module`` itself.
@@ -141,6 +149,8 @@ def replicate(
         broadcast_buffers=broadcast_buffers,
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
+        reduce_dtype=reduce_dtype,
+        gradient_divide_factor=gradient_divide_factor,
     )
     if find_unused_parameters:
         warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")

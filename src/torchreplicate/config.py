@@ -28,6 +28,8 @@ class ReplicateConfig:
     broadcast_buffers: bool = True
     find_unused_parameters: bool = False
     static_graph: bool = False
+    reduce_dtype: Optional[torch.dtype] = None
+    gradient_divide_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         for module in self.ignored_modules:
@@ -46,6 +48,19 @@ class ReplicateConfig:
             value = getattr(self, option)
             if not isinstance(value, bool):
                 raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
+        if self.reduce_dtype is not None and (
+            not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point
+        ):
+            raise TypeError(
+                "replicate(): reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
+                f"got {self.reduce_dtype!r}"
+            )
+        factor = self.gradient_divide_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise ValueError(
+                "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
+                f"None for the mean over ranks), got {factor!r}"
+            )
         if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
             raise TypeError(
                 "replicate(): process_group must be a torch.distributed.ProcessGroup "

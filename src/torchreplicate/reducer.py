@@ -59,14 +59,27 @@ _NEVER = 1 << 60  # pending count of a bucket that cannot become ready from hook
 class Bucket:
     """One flat gradient buffer and the parameters laid out in it."""
 
-    def __init__(self, index: int, spec: BucketSpec, params: Sequence[nn.Parameter], tail: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        spec: BucketSpec,
+        params: Sequence[nn.Parameter],
+        tail: int,
+        wire_dtype: Optional[torch.dtype],
+    ) -> None:
         self.index = index  # position in the launch order
         self.param_indices = spec.param_indices  # reducer indices, in buffer order
         # The flat buffer: the gradients, then ``tail`` extra elements (the
         # shared tail of [Note: one collective sequence], last bucket only).
         self.buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
         self.grads = self.buffer[: spec.numel]  # the gradient part, what comm hooks see
-        self.tail = self.buffer[spec.numel :]
+        # What the collective reduces: the buffer itself, or a copy in the
+        # reduce dtype (replicate(reduce_dtype=...)), tail included.
+        self.wire = self.buffer
+        if wire_dtype is not None and wire_dtype != spec.dtype:
+            self.wire = torch.zeros(spec.numel + tail, dtype=wire_dtype, device=spec.device)
+        self.wire_grads = self.wire[: spec.numel]
+        self.tail = self.wire[spec.numel :]
         self.views: list[torch.Tensor] = []  # per parameter, shaped like it
         offset = 0
         for index_ in spec.param_indices:
@@ -88,6 +101,8 @@ class Reducer:
         bucket_cap_bytes: bucket size cap.
         first_bucket_cap_bytes: cap of the first bucket.
         gradient_as_bucket_view: make ``p.grad`` a view into its bucket.
+        reduce_dtype: dtype gradients travel in; None: the parameters'.
+        gradient_divide_factor: divisor of the reduced sum; None: world size.
     """
 
     def __init__(
@@ -99,11 +114,16 @@ class Reducer:
         bucket_cap_bytes: int,
         first_bucket_cap_bytes: int,
         gradient_as_bucket_view: bool,
+        reduce_dtype: Optional[torch.dtype] = None,
+        gradient_divide_factor: Optional[float] = None,
     ) -> None:
         self.params = list(params)  # the reduced parameters
         self.names = list(names)  # their FQNs
         self.group = group  # process group of the collectives
-        self.world_size = dist.get_world_size(group)  # divisor of the mean
+        self.world_size = dist.get_world_size(group)
+        self.reduce_dtype = reduce_dtype  # wire dtype of the default path, None: as the params
+        self.divide_factor = float(gradient_divide_factor or self.world_size)  # sum / this
+        self._divide_option = gradient_divide_factor  # as the user gave it
         self.rank = dist.get_rank(group)  # for error messages
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.requires_sync = True  # False inside no_sync(): accumulate locally
@@ -142,7 +162,7 @@ class Reducer:
         last = len(specs) - 1
         for index, spec in enumerate(specs):
             tail = self.num_params + 1 if index == last else 0
-            bucket = Bucket(index, spec, self.params, tail)
+            bucket = Bucket(index, spec, self.params, tail, self.reduce_dtype)
             self.buckets.append(bucket)
             for param_index, view in zip(spec.param_indices, bucket.views):
                 self.param_bucket[param_index] = index
@@ -176,6 +196,13 @@ class Reducer:
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Routes every bucket through ``hook(state, bucket)``; see comm_hooks.py."""
         check_comm_hook(hook)
+        for option, value in (("reduce_dtype", self.reduce_dtype), ("gradient_divide_factor", self._divide_option)):
+            if value is not None:
+                raise ValueError(
+                    f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
+                    f"how gradients are reduced; drop {option} (the hook owns the wire format and "
+                    "the averaging, e.g. bf16_compress_hook)"
+                )
         if self.comm_hook is not None:
             raise RuntimeError(
                 "register_comm_hook(): a comm hook is already registered; it can be "
@@ -255,7 +282,9 @@ class Reducer:
         self.launched[bucket.index] = True
         is_last = bucket.index == len(self.buckets) - 1
         if self.comm_hook is None:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            if bucket.wire is not bucket.buffer:
+                bucket.wire_grads.copy_(bucket.grads)
+            bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
             return
         hook_bucket = GradBucket(
             bucket.index,
@@ -331,7 +360,9 @@ class Reducer:
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
-            bucket.grads.div_(self.world_size)
+            if bucket.wire is not bucket.buffer:
+                bucket.grads.copy_(bucket.wire_grads)
+            bucket.grads.div_(self.divide_factor)
             return
         future, bucket.future = bucket.future, None
         result = hook_result(future.wait(), bucket.hook_bucket)
@@ -393,7 +424,7 @@ class Reducer:
                     piece.copy_(late_grads[index])
                 pieces.append(piece)
             dist.all_reduce(extra, group=self.group)
-            extra.div_(self.world_size)
+            extra.div_(self.divide_factor)
             for index, piece in zip(bucket.param_indices, pieces):
                 # A late gradient anywhere means the parameter was used there,
                 # so every rank now holds a .grad for it; None means unused

@@ -141,6 +141,8 @@ class ReplicateState:
             bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             gradient_as_bucket_view=self.config.gradient_as_bucket_view,
+            reduce_dtype=self.config.reduce_dtype,
+            gradient_divide_factor=self.config.gradient_divide_factor,
         )
         reducer.requires_sync = self.requires_gradient_sync
         return reducer
