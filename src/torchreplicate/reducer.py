@@ -17,8 +17,11 @@ where this rank holds a gradient for parameter ``i`` and element
 After the last bucket is reduced, every rank reads the same sums and takes the
 same decisions: a parameter with no gradient on any rank keeps ``grad=None``;
 any late gradient anywhere triggers one more agreed round (``_reduce_late``).
-With a comm hook the tail travels as its own small all-reduce, since hooks
-may compress the bucket.
+With a comm hook the tail is a tensor of its own (hooks may compress the
+bucket, or pad its buffer in place, as batched PowerSGD does) and travels as
+its own all-reduce, launched only after every hook's future has completed:
+hooks launch further collectives from their future callbacks (PowerSGD), at
+times that differ by rank, and the tail must not be enqueued among them.
 
 [Note: when is a parameter ready]
 A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
@@ -130,6 +133,7 @@ class Reducer:
         self.num_steps = 0  # synchronised backwards completed
         self.comm_hook: Optional[CommHook] = None  # user comm hook, if any
         self.comm_hook_state: Any = None  # its state argument
+        self.hook_tail: Optional[torch.Tensor] = None  # the flags' own tensor when a hook runs
         self.callback_queued = False  # finalise already queued for this backward
         num_params = len(self.params)
         self.num_params = num_params
@@ -215,6 +219,8 @@ class Reducer:
             )
         self.comm_hook = hook
         self.comm_hook_state = state
+        last = self.buckets[-1]
+        self.hook_tail = torch.zeros(self.num_params + 1, dtype=torch.float32, device=last.buffer.device)
 
     # -- backward: the hot path --------------------------------------------
 
@@ -295,7 +301,9 @@ class Reducer:
         )
         bucket.hook_bucket = hook_bucket
         bucket.future = self.comm_hook(self.comm_hook_state, hook_bucket)
-        if not isinstance(bucket.future, torch.futures.Future):
+        # Duck-typed: Work.get_future() and Future.then() return torch's C++
+        # future type, of which torch.futures.Future is only a subclass.
+        if not callable(getattr(bucket.future, "wait", None)):
             raise TypeError(
                 f"comm hook: must return a torch.futures.Future, but for bucket "
                 f"{bucket.index} returned {type(bucket.future).__name__}"
@@ -319,14 +327,11 @@ class Reducer:
             if bucket.index == last:
                 self._write_tail(bucket, unused_here)
             self._launch(bucket)
-        tail_work = None
-        tail = self.buckets[last].tail
-        if self.comm_hook is not None:
-            tail_work = dist.all_reduce(tail, group=self.group, async_op=True)
         for bucket in self.buckets:
             self._wait(bucket)
-        if tail_work is not None:
-            tail_work.wait()
+        tail = self._tail()
+        if self.comm_hook is not None:
+            dist.all_reduce(tail, group=self.group)
         unused_everywhere, any_late = self._read_tail(tail, unused_here)
         late_grads = self._restore_grads(unused_everywhere)
         if any_late:
@@ -349,8 +354,12 @@ class Reducer:
             elif grad is not view:
                 view.copy_(grad)
 
+    def _tail(self) -> torch.Tensor:
+        # Where this rank's flags travel ([Note: one collective sequence]).
+        return self.buckets[-1].tail if self.comm_hook is None else self.hook_tail
+
     def _write_tail(self, bucket: Bucket, unused_here: list[int]) -> None:
-        tail = bucket.tail
+        tail = self._tail()
         tail.fill_(1)
         if unused_here:
             tail[torch.tensor(unused_here, device=tail.device)] = 0

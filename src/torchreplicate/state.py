@@ -50,6 +50,7 @@ class ReplicateState:
         self._comm_hook: Optional[tuple[Any, Any]] = None  # (state, hook) as registered
         self._checked_at_forward = False  # first forward re-checked the parameters
         self._world_size = 1  # size of the group, resolved at init
+        self._num_forwards = 0  # forwards of the root so far
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -81,7 +82,15 @@ class ReplicateState:
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """See ``ReplicateModule.register_comm_hook``."""
         if self.reducer is None and self.params:
-            self.reducer = self._build_reducer()  # world size 1: reduce only for the hook
+            # World size 1 runs no reducer until a hook asks for one; it cannot
+            # have counted backwards, so forwards stand in for them.
+            if self._num_forwards:
+                raise RuntimeError(
+                    f"register_comm_hook(): training already ran {self._num_forwards} forward(s); "
+                    "register the hook before the first backward (at world size 1: before the "
+                    "first forward)"
+                )
+            self.reducer = self._build_reducer()
         if self.reducer is None:
             raise RuntimeError(
                 "register_comm_hook(): this module has no replicated parameters "
@@ -185,6 +194,7 @@ class ReplicateState:
     # -- forward hooks -------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._num_forwards += 1
         if not self._checked_at_forward:
             self._checked_at_forward = True
             current = [id(p) for p in self._collect_params()[1]]
