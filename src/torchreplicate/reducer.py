@@ -37,6 +37,16 @@ the gradient must not race with the collective that reads the bucket: at
 launch, each parameter's ``.grad`` is detached from the bucket, so a late
 accumulation lands in a fresh tensor, which the late round reduces.
 
+[Note: hooks run one bucket at a time]
+A comm hook may launch more collectives from its future's callbacks
+(PowerSGD all-reduces its P and Q factors there). Those callbacks run on the
+backend's threads when a collective completes, at a moment that differs by
+rank, so if the next bucket's hook were called meanwhile, ranks would enqueue
+collectives in different orders (gloo: "Received data size doesn't match").
+So the hook of bucket ``k`` is called only once bucket ``k - 1``'s future is
+complete; bucket ``k``'s communication still overlaps the backward computation
+that produces bucket ``k + 1``.
+
 [Note: end of backward]
 The callback is queued from a hook on the forward outputs (the outermost
 backward pass reaches them first), or, when no forward hook ran (a method
@@ -292,6 +302,9 @@ class Reducer:
                 bucket.wire_grads.copy_(bucket.grads)
             bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
             return
+        if bucket.index > 0:
+            # [Note: hooks run one bucket at a time]
+            self.buckets[bucket.index - 1].future.wait()
         hook_bucket = GradBucket(
             bucket.index,
             is_last,
