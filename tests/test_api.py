@@ -127,3 +127,23 @@ def check_world_size_one_has_no_reducer(rank, world_size):
 
 def test_world_size_one_adds_no_work(pools):
     assert pools.run(1, check_world_size_one_has_no_reducer) == [True]
+
+
+def check_load_state_dict_assign(rank, world_size):
+    from parity import assert_grads_match, seeded
+
+    model = seeded(MLP, rank)
+    reference = seeded(MLP, 5)
+    replicate(model)
+    model(torch.randn(2, 32)).sum().backward()  # train a step first: the first forward's check is spent
+    model.zero_grad()
+    model.load_state_dict(copy.deepcopy(reference.state_dict()), assign=True)  # new Parameter objects
+    x = torch.randn(4 * world_size, 32, generator=torch.Generator().manual_seed(0))
+    model(x[4 * rank : 4 * rank + 4]).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_grads_match(model, reference, f"rank {rank} after load_state_dict(assign=True)")
+    return replicate.state(model).params[0] is model.body[0].weight
+
+
+def test_load_state_dict_with_assign_re_plans(pools):
+    assert all(pools.run(2, check_load_state_dict_assign))

@@ -54,6 +54,7 @@ class ReplicateState:
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
+            module.register_load_state_dict_post_hook(self._after_load_state_dict),
         ]
 
     # -- public --------------------------------------------------------------
@@ -202,6 +203,11 @@ class ReplicateState:
                 self.init()
         if self.config.broadcast_buffers and self._buffers and self.world_size > 1:
             self._broadcast_buffers()
+
+    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # load_state_dict(assign=True) swaps in new Parameter objects, which
+        # carry none of the reducer's hooks: re-check at the next forward.
+        self._checked_at_forward = False
 
     def _broadcast_buffers(self) -> None:
         # Out of place: a graph from an earlier forward may have saved the old
