@@ -74,7 +74,7 @@ def make_hook(name: str) -> tuple[Any, Callable]:
     raise KeyError(name)
 
 
-def completed(value: Any) -> torch.futures.Future:
+def completed(value: Any):
     """A ``torch.futures.Future`` already holding ``value``."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
@@ -109,8 +109,9 @@ def _reference_grads(reference: nn.Module, loss_of, batch: torch.Tensor, world_s
 def _check_grads(model, global_grads, shard_grads, compare: str, where: str) -> dict[str, float]:
     """Asserts the replica's grads are what ``compare`` promises; returns error statistics.
 
-    ``exact``: the all-reduce mean, as the default path gives (tolerance of
-    parity.py, rtol 1e-5 / atol 1e-6 against the global-batch reference).
+    ``exact``: the all-reduce mean, as the default path gives: within
+    parity.py's rtol 1e-5 / atol 1e-6 of the global-batch reference, and
+    bitwise the mean of the ranks' local gradients.
 
     ``fp16`` / ``bf16``: the hook rounds each rank's gradient (divided by the
     world size, exact for 2) to the compressed format and the sum back to it:
@@ -129,6 +130,11 @@ def _check_grads(model, global_grads, shard_grads, compare: str, where: str) -> 
         assert p.grad is not None, f"{where}: {name}.grad is None"
         if compare == "exact":
             torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {name}: {m}")
+            # bitwise what the default path gives: the sum of the ranks' local
+            # gradients over the world size (each halved first, as the hook
+            # does: exact for a power-of-2 world size)
+            mean = sum(shard / len(shards) for shard in shards)
+            assert torch.equal(p.grad, mean), f"{where}: {name}: not bitwise the mean of the local gradients"
         elif compare == "local":
             torch.testing.assert_close(p.grad, shards[rank], rtol=0, atol=0, msg=lambda m: f"{where}: {name}: {m}")
         else:
@@ -292,7 +298,7 @@ class Recorder:
         self.calls: list[dict[str, Any]] = []
 
 
-def recording_hook(state: Recorder, bucket) -> torch.futures.Future:
+def recording_hook(state: Recorder, bucket):
     """Records the bucket, checks its views, then averages it synchronously."""
     buffer = bucket.buffer()
     params, grads = bucket.parameters(), bucket.gradients()
@@ -370,10 +376,9 @@ class CountingState:
         self.scale = scale
         self.calls = 0
         self.per_bucket: dict[int, int] = {}
-        self.wrong_state = 0  # calls that were handed some other object
 
 
-def counting_hook(state: CountingState, bucket) -> torch.futures.Future:
+def counting_hook(state: CountingState, bucket):
     if not isinstance(state, CountingState):
         raise AssertionError(f"hook got state {state!r}")
     state.calls += 1
@@ -494,6 +499,10 @@ def registration_errors(rank: int, world_size: int) -> dict[str, str]:
     batch = make_batch(torch.Generator().manual_seed(0), PER_RANK)
     loss_of(model(batch), batch).backward()
     attempt("after_step", model, None, default_hooks.allreduce_hook)
+
+    # replicate()'s own reduction options and a hook both decide the reduction
+    attempt("reduce_dtype", replicate(seeded(build, 0), reduce_dtype=torch.bfloat16), None, default_hooks.allreduce_hook)
+    attempt("divide_factor", replicate(seeded(build, 0), gradient_divide_factor=8.0), None, default_hooks.allreduce_hook)
     return seen
 
 
@@ -541,7 +550,7 @@ class ChainState:
         self.markers: list[list[float]] = []
 
 
-def chained_collective_hook(state: ChainState, bucket) -> torch.futures.Future:
+def chained_collective_hook(state: ChainState, bucket):
     """All-reduces the bucket, then, from the future's callback, a second tensor.
 
     PowerSGD and the quantization hooks have this shape: their later
@@ -572,11 +581,16 @@ def chained_collective_hook(state: ChainState, bucket) -> torch.futures.Future:
     return first.then(second)
 
 
-def chained_collective_run(rank: int, world_size: int) -> dict[str, Any]:
+def chained_collective_run(rank: int, world_size: int, *, ddp: bool = False) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
     build, make_batch, loss_of = MODELS["mlp"]
     model = seeded(build, 100 + rank)
     reference = seeded(build, 100)
-    replicate(model)
+    if ddp:
+        model = DistributedDataParallel(model)
+    else:
+        replicate(model)
     num_params = len(list(model.parameters()))
     state = ChainState(num_params + 1)
     model.register_comm_hook(state, chained_collective_hook)
@@ -609,7 +623,7 @@ class SometimesUsed(nn.Module):
 PAD = 16  # more than the reducer's tail (num_params + 1 = 5 here)
 
 
-def padding_hook(state, bucket) -> torch.futures.Future:
+def padding_hook(state, bucket):
     """All-reduce, after padding the buffer in place as ``batched_powerSGD_hook`` does.
 
     batched_powerSGD_hook pads ``bucket.buffer()`` to a square with

@@ -11,54 +11,26 @@ What gloo on CPU does not support (torch 2.13.0, and DDP behaves the same):
   that function's 3-D assertion at the first compressed step. We assert
   that failure too (and convergence, should a later torch fix it).
 * PowerSGD with more than one bucket: its callbacks launch collectives
-  from gloo's worker threads and block on them, so buckets in flight
-  together starve the 2 worker threads (hang) or, with more threads,
-  interleave differently on each rank (gloo aborts on mismatched sizes).
-  The PowerSGD tests therefore use one bucket.
+  from gloo's worker threads, so buckets in flight together interleave
+  differently on each rank. DDP hangs or aborts there; replicate() calls a
+  bucket's hook only once the previous bucket's future is done ([Note:
+  hooks run one bucket at a time] in reducer.py), and test_hook_checkpoint.py
+  trains PowerSGD over several buckets. The tests here use one bucket.
 """
 
 import pytest
 
 import comm_hook_cases as cases
 
-# -- known bugs in src (see each reason); the tests fail loudly once fixed ------------
-
-FUTURE_TYPE_BUG = (
-    "reducer.py Reducer._launch (line ~269) checks isinstance(result, torch.futures.Future), "
-    "but Work.get_future() and every Future.then() return a torch._C.Future, the base "
-    "class, so every hook built on a collective's future (all stock hooks but noop_hook) "
-    "is refused at the first backward with 'must return a torch.futures.Future, but for "
-    "bucket 0 returned Future'; fix: isinstance(result, torch._C.Future)"
-)
-TAIL_RACE_BUG = (
-    "reducer.py Reducer._finish_step launches the tail all-reduce on the same process "
-    "group while hook futures are still running; collectives that a hook launches from "
-    "its future callbacks (PowerSGD, quantization hooks) then interleave with the tail "
-    "differently on each rank, so data is swapped or gloo aborts with 'Received data size "
-    "doesn't match expected size' (PowerSGD: within ~30 steps in 12 of 12 runs; DDP runs "
-    "the same 300 steps cleanly); fix: wait for every bucket's future before launching the "
-    "tail, or send the tail on a private process group created at replicate()"
-)
-TAIL_IN_HOOK_BUFFER_BUG = (
-    "reducer.py Bucket: the last bucket's hook buffer (bucket.grads) is a slice of the "
-    "flat buffer whose next elements are the tail (per-parameter used flags and the late "
-    "flag); a hook that pads buffer() in place, as batched_powerSGD_hook does (resize_ + "
-    "fill_(0), then the low-rank product over the padding), overwrites the flags before "
-    "the tail all-reduce reads them, so a parameter used only on some ranks gets grad=None "
-    "on the others (replicas diverge); fix: with a comm hook, keep the tail in its own "
-    "tensor (it travels as its own all-reduce anyway)"
-)
-WS1_LATE_REGISTRATION_BUG = (
-    "state.py ReplicateState.register_comm_hook: at world size 1 there is no reducer "
-    "until a hook is registered, and the one it builds has num_steps=0, so registering "
-    "after training steps is accepted, while at world size > 1 it raises 'register the "
-    "hook before the first backward'; fix: count synchronised backwards in the state (or "
-    "build the reducer lazily with the steps already run) and refuse alike"
-)
-
-
-def xfail(*reasons: str):
-    return pytest.mark.xfail(strict=True, reason="; ALSO: ".join(reasons))
+# Regression tests for bugs these tests found (fixed in c05c5ad):
+# * a hook's Work.get_future() / Future.then() result (torch._C.Future, the base
+#   of torch.futures.Future) was refused: every stock hook but noop_hook failed;
+# * the reducer's flags all-reduce (the "tail") went out while hook futures were
+#   still launching collectives from their callbacks: PowerSGD mismatched
+#   collectives across ranks (test_hook_collectives_from_callbacks_...);
+# * the flags followed the hook's buffer in memory, so a hook padding buffer()
+#   in place (batched_powerSGD_hook) overwrote them (test_hook_padding_...);
+# * at world size 1 a hook registered after training was accepted.
 
 
 def _raise_errors(results):
@@ -71,13 +43,13 @@ def _raise_errors(results):
 
 STOCK = [
     # hook name, comparison (see comm_hook_cases._check_grads), replicate options
-    pytest.param("allreduce_none", "exact", {}, marks=xfail(FUTURE_TYPE_BUG), id="allreduce-state-None"),
-    pytest.param("allreduce_group", "exact", {}, marks=xfail(FUTURE_TYPE_BUG), id="allreduce-state-group"),
-    pytest.param("allreduce_none", "exact", cases.TINY, marks=xfail(FUTURE_TYPE_BUG), id="allreduce-tiny-buckets"),
-    pytest.param("fp16", "fp16", cases.TINY, marks=xfail(FUTURE_TYPE_BUG), id="fp16_compress_hook"),
-    pytest.param("bf16", "bf16", cases.TINY, marks=xfail(FUTURE_TYPE_BUG), id="bf16_compress_hook"),
-    pytest.param("fp16_wrapper", "fp16", cases.TINY, marks=xfail(FUTURE_TYPE_BUG), id="fp16_compress_wrapper"),
-    pytest.param("bf16_wrapper", "bf16", cases.TINY, marks=xfail(FUTURE_TYPE_BUG), id="bf16_compress_wrapper"),
+    pytest.param("allreduce_none", "exact", {}, id="allreduce-state-None"),
+    pytest.param("allreduce_group", "exact", {}, id="allreduce-state-group"),
+    pytest.param("allreduce_none", "exact", cases.TINY, id="allreduce-tiny-buckets"),
+    pytest.param("fp16", "fp16", cases.TINY, id="fp16_compress_hook"),
+    pytest.param("bf16", "bf16", cases.TINY, id="bf16_compress_hook"),
+    pytest.param("fp16_wrapper", "fp16", cases.TINY, id="fp16_compress_wrapper"),
+    pytest.param("bf16_wrapper", "bf16", cases.TINY, id="bf16_compress_wrapper"),
     pytest.param("noop", "local", cases.TINY, id="noop_hook"),
 ]
 
@@ -87,7 +59,8 @@ def test_stock_hook(pools, hook_name, compare, options):
     """Four SGD steps; each step's grads checked against the single-process reference.
 
     Tolerances (comm_hook_cases._check_grads): all-reduce rtol 1e-5 /
-    atol 1e-6; fp16 / bf16 |g - ref| <= 3u * mean_r |g_r| + 1e-6 with unit
+    atol 1e-6 of the global-batch gradient and bitwise the mean of the
+    ranks' local gradients; fp16 / bf16 |g - ref| <= 3u * mean_r |g_r| + 1e-6 with unit
     roundoff u = 2^-11 / 2^-8 (two roundings of at most u each); noop:
     bitwise the local gradient. bf16 runs on CPU too, though DDP refuses it
     there ("requires CUDA 11+ and NCCL 2.10+").
@@ -97,7 +70,7 @@ def test_stock_hook(pools, hook_name, compare, options):
     if options:
         assert results[0]["num_buckets"] >= 3, "tiny caps should give several buckets"
     if compare == "local":
-        assert results[0]["digests"] != results[1]["digests"], "noop_hook averaged: the ranks' grads differ"
+        assert results[0]["digests"] != results[1]["digests"], "with noop_hook nothing is averaged, so the replicas must diverge"
         return
     assert results[0]["digests"] == results[1]["digests"], "replicas are not bitwise identical"
     if compare in ("fp16", "bf16"):
@@ -108,11 +81,10 @@ def test_stock_hook(pools, hook_name, compare, options):
 # -- PowerSGD ------------------------------------------------------------------------
 
 
-@xfail(FUTURE_TYPE_BUG, TAIL_RACE_BUG)
 def test_powerSGD_hook_converges(pools):
     """rank-1 PowerSGD (error feedback, warm start from step 2): the loss falls 100x in 100 steps.
 
-    Plain SGD falls ~800x there, PowerSGD (fixed src) ~770x.
+    Plain SGD falls ~800x there, PowerSGD ~770x. One bucket: see the module docstring.
     """
     results = pools.run(2, cases.powersgd_regression, "powerSGD", timeout_s=60)
     _raise_errors(results)
@@ -123,7 +95,6 @@ def test_powerSGD_hook_converges(pools):
         assert r["compressed_buckets"] == [0], "PowerSGD never compressed"
 
 
-@xfail(FUTURE_TYPE_BUG)
 def test_batched_powerSGD_hook(pools):
     """The vanilla steps run; at the first compressed step torch 2.13's hook itself fails.
 
@@ -151,13 +122,7 @@ def test_batched_powerSGD_hook(pools):
 # -- quantization hooks: not on gloo -----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "hook_name",
-    [
-        pytest.param("quant_pertensor", marks=xfail(FUTURE_TYPE_BUG)),
-        pytest.param("quant_perchannel", marks=xfail(FUTURE_TYPE_BUG)),
-    ],
-)
+@pytest.mark.parametrize("hook_name", ["quant_pertensor", "quant_perchannel"])
 def test_quantization_hook_fails_clearly_on_gloo(pools, hook_name):
     """Every rank raises the hook's own IndexError at the first backward, as DDP does."""
     ours = pools.run(2, cases.first_backward_error, hook_name, ddp=False, timeout_s=60)
@@ -219,9 +184,10 @@ def test_registration_errors(pools):
     assert seen["twice"].startswith("RuntimeError:") and "already registered" in seen["twice"], seen["twice"]
     assert seen["after_step"].startswith("RuntimeError:"), seen["after_step"]
     assert "already ran 1 synchronised step" in seen["after_step"] and "before the first backward" in seen["after_step"]
+    for key, option in (("reduce_dtype", "reduce_dtype"), ("divide_factor", "gradient_divide_factor")):
+        assert seen[key].startswith("ValueError:") and f"replicate({option}=" in seen[key], seen[key]
 
 
-@xfail(WS1_LATE_REGISTRATION_BUG)
 def test_register_after_step_refused_at_world_size_1(pools):
     (seen,) = pools.run(1, cases.register_after_step_single_rank)
     assert seen.startswith("RuntimeError:") and "before the first backward" in seen, seen
@@ -279,7 +245,7 @@ def test_stateful_hook_gets_its_state(pools):
     [
         pytest.param("counting", True, id="custom-hook-tiny-buckets"),
         pytest.param("counting", False, id="custom-hook"),
-        pytest.param("allreduce", False, marks=xfail(FUTURE_TYPE_BUG), id="allreduce_hook"),
+        pytest.param("allreduce", False, id="allreduce_hook"),
     ],
 )
 def test_world_size_1_hook_runs(pools, hook_kind, tiny):
@@ -295,7 +261,6 @@ def test_world_size_1_hook_runs(pools, hook_kind, tiny):
 # -- hooks meeting the reducer's own bookkeeping --------------------------------------------
 
 
-@xfail(TAIL_RACE_BUG)
 def test_hook_collectives_from_callbacks_do_not_meet_the_tail(pools):
     """A hook launching a second collective from its future's callback (as PowerSGD does).
 
@@ -316,7 +281,6 @@ def test_padding_hook_reference_without_hook(pools):
     assert results[0]["extra_grad"] is not None and results[0]["extra_grad"] == results[1]["extra_grad"]
 
 
-@xfail(TAIL_IN_HOOK_BUFFER_BUG)
 def test_hook_padding_its_buffer_keeps_unused_parameter_flags(pools):
     """A hook that pads buffer() in place (batched_powerSGD_hook's way) changes no decision."""
     results = pools.run(2, cases.padding_hook_run, hook=True)
