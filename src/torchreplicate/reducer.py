@@ -47,6 +47,19 @@ So the hook of bucket ``k`` is called only once bucket ``k - 1``'s future is
 complete; bucket ``k``'s communication still overlaps the backward computation
 that produces bucket ``k + 1``.
 
+[Note: the mean is taken on the way in]
+Without a comm hook the reducer sends each rank's gradient already divided by
+the divide factor, and the sum is the mean: no pass over the buckets after
+the collective. In ``gradient_as_bucket_view`` mode, a fresh ``.grad`` (after
+``zero_grad(set_to_none=True)``) is moved into its slot as ``grad * scale``
+in one pass, and ``.grad`` is detached (None) until the end of backward; a
+further accumulation in the same backward then arrives in a fresh ``.grad``
+again and is folded in, scaled, unless the bucket has left (then it is late).
+Slots filled any other way (``.grad`` already the view, accumulated under
+``no_sync``) are scaled in place just before the bucket is launched. In copy
+mode the copy into the slot at launch is the scaling pass. Late gradients
+are unscaled and divided after their own round.
+
 [Note: end of backward]
 The callback is queued from a hook on the forward outputs (the outermost
 backward pass reaches them first), or, when no forward hook ran (a method
@@ -136,6 +149,7 @@ class Reducer:
         self.world_size = dist.get_world_size(group)
         self.reduce_dtype = reduce_dtype  # wire dtype of the default path, None: as the params
         self.divide_factor = float(gradient_divide_factor or self.world_size)  # sum / this
+        self.scale: Optional[float] = 1.0 / self.divide_factor  # None while a comm hook averages
         self._divide_option = gradient_divide_factor  # as the user gave it
         self.rank = dist.get_rank(group)  # for error messages
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -150,6 +164,7 @@ class Reducer:
         self.expected = [0] * num_params  # learned firings per step ([Note: when is a parameter ready])
         self.fired = [0] * num_params  # firings in this backward
         self.late = False  # a gradient arrived after its bucket launched
+        self.scaled = [False] * num_params  # slot holds grad * scale ([Note: the mean is taken on the way in])
         self.saved_grads: list[Optional[torch.Tensor]] = [None] * num_params  # copy mode: .grad held aside
         self.buckets: list[Bucket] = []
         self.param_bucket: list[int] = [0] * num_params  # bucket of each parameter
@@ -182,6 +197,7 @@ class Reducer:
                 self.param_bucket[param_index] = index
                 self.param_view[param_index] = view
         self.launched = [False] * len(self.buckets)
+        self.num_scaled = [0] * len(self.buckets)  # per bucket: slots already scaled
         self._recompute_pending()
         self.pending = list(self.pending_start)
         if self.gradient_as_bucket_view:
@@ -229,6 +245,7 @@ class Reducer:
             )
         self.comm_hook = hook
         self.comm_hook_state = state
+        self.scale = None  # the hook averages ([Note: the mean is taken on the way in])
         last = self.buckets[-1]
         self.hook_tail = torch.zeros(self.num_params + 1, dtype=torch.float32, device=last.buffer.device)
 
@@ -254,8 +271,22 @@ class Reducer:
         if self.launched[bucket_index]:
             self.late = True  # the fresh .grad is reduced by the late round
             return
-        if self.gradient_as_bucket_view and param.grad is not self.param_view[index]:
-            self._adopt_grad(index, param)
+        if self.gradient_as_bucket_view:
+            grad = param.grad
+            view = self.param_view[index]
+            if grad is not view:
+                scale = self.scale
+                if scale is None:
+                    view.copy_(grad)
+                    param.grad = view
+                elif self.scaled[index]:
+                    view.add_(grad, alpha=scale)  # a further accumulation: fold it in
+                    param.grad = None
+                else:
+                    torch.mul(grad, scale, out=view)
+                    param.grad = None
+                    self.scaled[index] = True
+                    self.num_scaled[bucket_index] += 1
         if fired == self.expected[index]:
             pending = self.pending[bucket_index] - 1
             self.pending[bucket_index] = pending
@@ -288,16 +319,38 @@ class Reducer:
         else:
             for index, view in zip(bucket.param_indices, bucket.views):
                 grad = params[index].grad
-                view.copy_(grad)
+                self._copy_in(grad, view)
                 self.saved_grads[index] = grad
                 params[index].grad = None
         self.detached.append(bucket.index)
         self._launch(bucket)
 
+    def _copy_in(self, grad: torch.Tensor, view: torch.Tensor) -> None:
+        # Copy mode: the copy into the slot is the scaling pass.
+        if self.scale is None:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, self.scale, out=view)
+
+    def _scale_in_place(self, bucket: Bucket) -> None:
+        # View mode: scale the slots not scaled on the way in.
+        done = self.num_scaled[bucket.index]
+        if done == len(bucket.param_indices):
+            return
+        if done == 0:
+            bucket.grads.mul_(self.scale)
+            return
+        scaled = self.scaled
+        for index, view in zip(bucket.param_indices, bucket.views):
+            if not scaled[index]:
+                view.mul_(self.scale)
+
     def _launch(self, bucket: Bucket) -> None:
         self.launched[bucket.index] = True
         is_last = bucket.index == len(self.buckets) - 1
         if self.comm_hook is None:
+            if self.gradient_as_bucket_view:
+                self._scale_in_place(bucket)
             if bucket.wire is not bucket.buffer:
                 bucket.wire_grads.copy_(bucket.grads)
             bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
@@ -364,8 +417,11 @@ class Reducer:
             if grad is None:
                 view.zero_()
                 unused_here.append(index)
-            elif grad is not view:
-                view.copy_(grad)
+            elif as_view:
+                if grad is not view:
+                    view.copy_(grad)  # scaled with the bucket at launch
+            else:
+                self._copy_in(grad, view)
 
     def _tail(self) -> torch.Tensor:
         # Where this rank's flags travel ([Note: one collective sequence]).
@@ -384,7 +440,6 @@ class Reducer:
             bucket.work = None
             if bucket.wire is not bucket.buffer:
                 bucket.grads.copy_(bucket.wire_grads)
-            bucket.grads.div_(self.divide_factor)
             return
         future, bucket.future = bucket.future, None
         result = hook_result(future.wait(), bucket.hook_bucket)
@@ -465,6 +520,8 @@ class Reducer:
 
     def _reset_step(self) -> None:
         self.fired = [0] * self.num_params
+        self.scaled = [False] * self.num_params
+        self.num_scaled = [0] * len(self.buckets)
         self.pending = list(self.pending_start)
         self.launched = [False] * len(self.buckets)
         self.next_launch = 0
