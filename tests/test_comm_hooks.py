@@ -213,6 +213,8 @@ def test_bad_hook_result_raises_at_backward_on_every_rank(pools, hook_key, error
             where = f"rank {rank} backward {step}"
             assert text.startswith(f"{error_type}:"), f"{where}: {text}"
             assert all(w in text for w in words_here), f"{where}: {text} lacks {words_here}"
+            # names the rank, the step (none completed yet) and the bucket's parameters
+            assert f"replicate(): rank {rank}, step 0, bucket 0 ('head.bias'" in text, f"{where}: {text}"
         assert r["group_ok"], f"rank {rank}: the process group is unusable after the error"
 
 

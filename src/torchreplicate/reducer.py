@@ -179,7 +179,10 @@ class Reducer:
         self.launched: list[bool] = []  # per bucket: launched in this backward
         self.next_launch = 0  # lowest bucket index not launched yet
         self.detached: list[int] = []  # buckets launched from hooks in this backward
-        self.hook_handles: list[Any] = []
+        self.num_scaled: list[int] = []  # per bucket: slots scaled on the way in, this backward
+        self.param_slots: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its view)
+        self.tail_template: Optional[torch.Tensor] = None  # the tail of an ordinary step
+        self.hook_handles: list[Any] = []  # post-accumulate-grad hook handles
         self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
         self._install_hooks()
 
@@ -202,13 +205,13 @@ class Reducer:
                 self.param_bucket[param_index] = index
                 self.param_view[param_index] = view
         self.launched = [False] * len(self.buckets)
-        self.num_scaled = [0] * len(self.buckets)  # per bucket: slots already scaled
+        self.num_scaled = [0] * len(self.buckets)
         for bucket in self.buckets:
             math_dtype = torch.float64 if bucket.buffer.dtype == torch.float64 else torch.float32
             self.bucket_scale.append(torch.tensor(self.scale, dtype=math_dtype, device=bucket.buffer.device))
-        self.param_slots = [(p, v) for p, v in zip(self.params, self.param_view)]  # (param, view) pairs
+        self.param_slots = list(zip(self.params, self.param_view))
         tail = self.buckets[-1].tail
-        # What an ordinary step sends: every parameter has a gradient, nothing late.
+        # An ordinary step: every parameter has a gradient here, nothing late.
         self.tail_template = torch.ones_like(tail)
         self.tail_template[self.num_params] = 0
         self._recompute_pending()
@@ -387,9 +390,15 @@ class Reducer:
         # future type, of which torch.futures.Future is only a subclass.
         if not callable(getattr(bucket.future, "wait", None)):
             raise TypeError(
-                f"comm hook: must return a torch.futures.Future, but for bucket "
-                f"{bucket.index} returned {type(bucket.future).__name__}"
+                f"{self._where(bucket)}: comm hook: must return a torch.futures.Future, but for "
+                f"bucket {bucket.index} returned {type(bucket.future).__name__}"
             )
+
+    def _where(self, bucket: Bucket) -> str:
+        # Rank, step and parameters, for errors a user must trace to a layer.
+        names = [self.names[i] for i in bucket.param_indices]
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"replicate(): rank {self.rank}, step {self.num_steps}, bucket {bucket.index} ({shown})"
 
     # -- end of backward ---------------------------------------------------
 
@@ -460,7 +469,10 @@ class Reducer:
                 bucket.grads.copy_(bucket.wire_grads)
             return
         future, bucket.future = bucket.future, None
-        result = hook_result(future.wait(), bucket.hook_bucket)
+        try:
+            result = hook_result(future.wait(), bucket.hook_bucket)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{self._where(bucket)}: {error}") from None
         bucket.hook_bucket = None
         if result.data_ptr() != bucket.grads.data_ptr() or result.dtype != bucket.grads.dtype:
             bucket.grads.copy_(result.reshape(-1))
