@@ -147,3 +147,38 @@ def check_load_state_dict_assign(rank, world_size):
 
 def test_load_state_dict_with_assign_re_plans(pools):
     assert all(pools.run(2, check_load_state_dict_assign))
+
+
+def check_subgroup(rank, world_size):
+    from parity import assert_grads_match, seeded
+
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    if rank == 0:
+        return "outside"
+    model = seeded(MLP, rank)
+    reference = seeded(MLP, 1)  # group rank 0 is global rank 1: its weights win
+    replicate(model, process_group=group)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    local = x[(rank - 1) * 4 : rank * 4]
+    model(local).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert_grads_match(model, reference, f"rank {rank} in a subgroup")
+    return "inside"
+
+
+def test_process_group_subgroup(pools):
+    assert pools.run(3, check_subgroup) == ["outside", "inside", "inside"]
+
+
+def check_device_id(rank, world_size):
+    model = MLP()
+    replicate(model, device_id=rank)  # an int means the accelerator index; here the CPU
+    other = MLP()
+    replicate(other, device_id=torch.device("cpu"))
+    return {p.device.type for p in list(model.parameters()) + list(other.parameters())}
+
+
+def test_device_id_int_on_a_cpu_machine(pools):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU fallback of an int device_id; this machine has a GPU")
+    assert pools.run(2, check_device_id) == [{"cpu"}, {"cpu"}]
