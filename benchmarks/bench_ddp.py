@@ -205,6 +205,17 @@ class Engine:
             raise ValueError(kind)
         self.opt = torch.optim.SGD(self.module.parameters(), lr=1e-4)
 
+    @classmethod
+    def around(cls, kind: str, model_name: str, module, raw, keep: tuple = ()) -> "Engine":
+        """An engine around a module wrapped by the caller (the other benchmarks' engines)."""
+        import torch
+
+        self = cls.__new__(cls)
+        self.kind, self.model_name, self.raw, self.module = kind, model_name, raw, module
+        self.keep = list(keep)
+        self.opt = torch.optim.SGD(module.parameters(), lr=1e-4)
+        return self
+
     def step(self, batch) -> None:
         x, y = batch
         loss = loss_of(self.model_name, self.module(x), y)
@@ -299,6 +310,116 @@ def _count_collectives(engine: Engine, batch, steps: int = 2) -> dict:
         except Exception as error:  # noqa: BLE001
             result["ddp_logging"] = f"unavailable: {error!r}"
     return result
+
+
+# torch.distributed functions wrapped by count_wire: name -> (position, keyword) of
+# the tensor this rank contributes; all_gather_into_tensor shows as gloo:all_gather
+_WIRE_FUNCTIONS = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "all_gather": ("all_gather", 1, "tensor"),
+    "all_gather_into_tensor": ("all_gather", 1, "input_tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+}
+_PROFILER_DTYPES = {
+    "float": "float32", "double": "float64", "c10::BFloat16": "bfloat16", "c10::Half": "float16",
+    "long int": "int64", "int": "int32", "short int": "int16", "signed char": "int8",
+    "unsigned char": "uint8", "bool": "bool",
+}
+
+
+def count_wire(step: Callable[[], None], steps: int = 2) -> dict:
+    """Collectives one rank issues per step, and their payload, counted two ways.
+
+    ``step()`` runs ``steps`` times under each method; run no other
+    collective meanwhile.
+
+    (1) ``torch.profiler`` ``gloo:*`` events with input shapes and dtypes:
+        every collective enqueued from the training thread, torch DDP's C++
+        reducer included, but not those a comm hook launches from a future's
+        callback on gloo's thread (PowerSGD's P and Q all-reduces).
+    (2) the ``torch.distributed`` functions in ``_WIRE_FUNCTIONS`` wrapped in
+        this process: every Python-level call, from any thread (our reducer,
+        comm hooks, their callbacks), but not DDP's C++ reducer.
+
+    The merged list is (2) plus the events of (1) no call of (2) accounts
+    for, matched by (op, numel, dtype). The payload is the bytes this rank
+    hands in (the tensor reduced, or its own piece of a gather);
+    ``est_sent_bytes_per_step`` is a ring estimate: all-reduce
+    2(W-1)/W x payload, all-gather (W-1) x payload, reduce-scatter
+    (W-1)/W x payload, broadcast 1 x payload (gloo's algorithms may differ).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    profiled = []
+    for event in prof.events():
+        if not event.name.startswith("gloo:") or event.name == "gloo:barrier":
+            continue
+        shape = (event.input_shapes or [[]])[0] or []
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        dtypes = getattr(event, "input_dtypes", None) or ["?"]
+        profiled.append((event.name[len("gloo:"):], numel, _PROFILER_DTYPES.get(dtypes[0], dtypes[0])))
+
+    calls: list = []
+    originals = {name: getattr(dist, name) for name in _WIRE_FUNCTIONS if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        op, position, keyword = _WIRE_FUNCTIONS[name]
+
+        def counting(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs.get(keyword)
+            if isinstance(tensor, torch.Tensor):
+                calls.append((op, tensor.numel(), str(tensor.dtype).replace("torch.", "")))
+            return fn(*args, **kwargs)
+
+        return counting
+
+    dist.barrier()
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    remaining: dict = defaultdict(int)
+    for call in calls:
+        remaining[call] += 1
+    profiler_only = []
+    for event in profiled:
+        if remaining[event] > 0:
+            remaining[event] -= 1
+        else:
+            profiler_only.append(event)
+    merged = calls + profiler_only
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world, "broadcast": 1.0}
+    item = {name: torch.empty((), dtype=getattr(torch, name)).element_size() for name in set(c[2] for c in merged) if hasattr(torch, name)}
+    payload = sum(n * item.get(dt, 4) for _, n, dt in merged) / steps
+    sent = sum(n * item.get(dt, 4) * factor.get(op, 1.0) for op, n, dt in merged) / steps
+    by_op: dict = defaultdict(int)
+    for op, _, _ in merged:
+        by_op[op] += 1
+    return {
+        "method": "python-wrapped torch.distributed collectives + torch.profiler gloo events not matched by them",
+        "per_step": len(merged) / steps,
+        "per_step_by_op": {op: n / steps for op, n in by_op.items()},
+        "payload_bytes_per_step": payload,
+        "est_sent_bytes_per_step": sent,
+        "one_step": [list(c) for c in merged[: len(merged) // steps]],
+        "profiler_per_step": len(profiled) / steps,
+        "python_per_step": len(calls) / steps,
+        "profiler_only_per_step": len(profiler_only) / steps,
+    }
 
 
 class _MethodTimers:
@@ -543,6 +664,63 @@ def _instrument_ours(model_name: str, batch, steps: int, kind: str = "ours") -> 
 # rank entry points (module level: spawn imports them)
 
 
+def run_rounds(engines: dict, batch, cfg: dict) -> dict:
+    """Warms up, then times interleaved blocks of K steps of every engine.
+
+    ``engines`` maps a name to anything with ``step(batch)``. Per round, every
+    engine runs a block of K steps after a ``dist.barrier()``; the engine
+    order rotates by one each round. K comes from rank 0's slowest warm step
+    (about ``cfg["block_s"]`` per block, at least ``cfg["min_steps"]``, or
+    ``cfg["steps"]`` if set) and is broadcast, so every rank runs the same
+    steps. Returns what ``aggregate_timing`` reads.
+    """
+    import torch.distributed as dist
+
+    # warm-up, interleaved; DDP rebuilds buckets after step 1, ours
+    # learns its schedule in step 1
+    for _ in range(cfg["warmup"]):
+        for engine in engines.values():
+            engine.step(batch)
+    # block size K: from rank 0's slowest engine, the same on every rank
+    dist.barrier()
+    slowest = 0.0
+    for engine in engines.values():
+        t0 = time.perf_counter()
+        engine.step(batch)
+        slowest = max(slowest, time.perf_counter() - t0)
+    k = cfg["steps"] or max(cfg["min_steps"], min(200, int(round(cfg["block_s"] / max(slowest, 1e-4)))))
+    k = _broadcast_int(k)
+    kinds = list(engines)
+    per_step: dict[str, list[list[float]]] = {kind: [] for kind in kinds}  # [round][step]
+    blocks: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu_blocks: dict[str, list[float]] = {kind: [] for kind in kinds}  # thread CPU time
+    orders = []
+    for r in range(cfg["rounds"]):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        orders.append(order)
+        for kind in order:
+            engine = engines[kind]
+            dist.barrier()
+            steps = []
+            c_block = time.thread_time()
+            t_block = time.perf_counter()
+            for _ in range(k):
+                t0 = time.perf_counter()
+                engine.step(batch)
+                steps.append(time.perf_counter() - t0)
+            blocks[kind].append(time.perf_counter() - t_block)
+            cpu_blocks[kind].append(time.thread_time() - c_block)
+            per_step[kind].append(steps)
+    return {
+        "steps_per_block": k,
+        "rounds": cfg["rounds"],
+        "orders": orders,
+        "per_step_s": per_step,
+        "block_s": blocks,
+        "cpu_block_s": cpu_blocks,
+    }
+
+
 def timing_worker(cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -558,51 +736,8 @@ def timing_worker(cfg: dict) -> dict:
         first = next(iter(engines.values()))
         n_params = sum(p.numel() for p in first.raw.parameters())
         n_tensors = len(list(first.raw.parameters()))
-        # warm-up, interleaved; DDP rebuilds buckets after step 1, ours
-        # learns its schedule in step 1
-        for _ in range(cfg["warmup"]):
-            for engine in engines.values():
-                engine.step(batch)
-        # block size K: from rank 0's slowest engine, the same on every rank
-        dist.barrier()
-        slowest = 0.0
-        for engine in engines.values():
-            t0 = time.perf_counter()
-            engine.step(batch)
-            slowest = max(slowest, time.perf_counter() - t0)
-        k = cfg["steps"] or max(cfg["min_steps"], min(200, int(round(cfg["block_s"] / max(slowest, 1e-4)))))
-        k = _broadcast_int(k)
-        kinds = list(engines)
-        per_step: dict[str, list[list[float]]] = {kind: [] for kind in kinds}  # [round][step]
-        blocks: dict[str, list[float]] = {kind: [] for kind in kinds}
-        cpu_blocks: dict[str, list[float]] = {kind: [] for kind in kinds}  # thread CPU time
-        orders = []
-        for r in range(cfg["rounds"]):
-            order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
-            orders.append(order)
-            for kind in order:
-                engine = engines[kind]
-                dist.barrier()
-                steps = []
-                c_block = time.thread_time()
-                t_block = time.perf_counter()
-                for _ in range(k):
-                    t0 = time.perf_counter()
-                    engine.step(batch)
-                    steps.append(time.perf_counter() - t0)
-                blocks[kind].append(time.perf_counter() - t_block)
-                cpu_blocks[kind].append(time.thread_time() - c_block)
-                per_step[kind].append(steps)
-        model_out: dict[str, Any] = {
-            "n_params": n_params,
-            "n_tensors": n_tensors,
-            "steps_per_block": k,
-            "rounds": cfg["rounds"],
-            "orders": orders,
-            "per_step_s": per_step,
-            "block_s": blocks,
-            "cpu_block_s": cpu_blocks,
-        }
+        timed = run_rounds(engines, batch, cfg)
+        model_out: dict[str, Any] = {"n_params": n_params, "n_tensors": n_tensors, **timed}
         if cfg.get("count", True):
             model_out["collectives"] = {
                 kind: _count_collectives(engine, batch) for kind, engine in engines.items() if kind != "noop_hooks"
@@ -716,8 +851,25 @@ def _summary(values: list[float]) -> dict:
     }
 
 
-def aggregate_timing(rank_outputs: list[dict]) -> dict:
-    """Per model: per-engine step time (slowest rank), per-round ratios."""
+RATIO_PAIRS = (("ours", "ddp"), ("ours", "ddp_gbv"), ("ours", "local"), ("ddp", "local"), ("ddp_gbv", "ddp"), ("reducer", "local"), ("noop_hooks", "local"))
+
+
+def per_round_ratios(round_step: dict[str, list[float]], pairs) -> dict:
+    """``"a/b"``: summary of a's block over b's block in the same round, for each pair present."""
+    ratios = {}
+    for num, den in pairs:
+        if num in round_step and den in round_step:
+            per = [a / b for a, b in zip(round_step[num], round_step[den])]
+            ratios[f"{num}/{den}"] = {**_summary(per), "per_round": per}
+    return ratios
+
+
+def aggregate_timing(rank_outputs: list[dict], pairs=RATIO_PAIRS) -> dict:
+    """Per model: per-engine step time (slowest rank), per-round ratios of ``pairs``.
+
+    ``engines[kind]["per_round_ms"]`` keeps the per-round step times, from
+    which callers may form further paired ratios (``per_round_ratios``).
+    """
     models = {}
     for model_name, m0 in rank_outputs[0]["models"].items():
         ranks = [r["models"][model_name] for r in rank_outputs]
@@ -742,13 +894,11 @@ def aggregate_timing(rank_outputs: list[dict]) -> dict:
                 statistics.mean(rk["cpu_block_s"][kind][i] for rk in ranks) / m0["steps_per_block"] for i in range(m0["rounds"])
             ]
             engines[kind]["cpu_step_ms"] = _summary([v * 1e3 for v in round_cpu[kind]])
-        ratios = {}
-        base_local = engines["local"]["step_ms"]["median"]
-        for num, den in (("ours", "ddp"), ("ours", "ddp_gbv"), ("ours", "local"), ("ddp", "local"), ("ddp_gbv", "ddp"), ("reducer", "local"), ("noop_hooks", "local")):
-            if num in round_step and den in round_step:
-                per = [a / b for a, b in zip(round_step[num], round_step[den])]
-                ratios[f"{num}/{den}"] = {**_summary(per), "per_round": per}
-        exposed = {kind: engines[kind]["step_ms"]["median"] - base_local for kind in kinds if kind != "local"}
+        ratios = per_round_ratios(round_step, pairs)
+        exposed = {}
+        if "local" in engines:
+            base_local = engines["local"]["step_ms"]["median"]
+            exposed = {kind: engines[kind]["step_ms"]["median"] - base_local for kind in kinds if kind != "local"}
         result = {
             "n_params": m0["n_params"],
             "n_tensors": m0["n_tensors"],
@@ -936,6 +1086,37 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def source_info(module_file: Optional[str]) -> dict:
+    """Which torchreplicate a process imported: this checkout's, or a snapshot.
+
+    A snapshot is a ``git archive`` copy with the commit in ``SNAPSHOT_COMMIT``
+    (see ``benchmarks/snapshot.sh``), so that edits to ``src/`` during a run
+    do not reach the benchmark.
+    """
+    if not module_file:
+        return {}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(module_file))))
+    info: dict[str, Any] = {"root": root, "is_this_checkout": os.path.realpath(root) == os.path.realpath(REPO)}
+    marker = os.path.join(root, "SNAPSHOT_COMMIT")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            info["snapshot_commit"] = f.read().strip()
+    return info
+
+
+def run_header(report: dict) -> str:
+    """One line for the markdown: what was measured, where, under what load."""
+    env = report.get("env", {})
+    src = env.get("source", {})
+    commit = src.get("snapshot_commit") or (env.get("git", {}).get("head", "?") + ("" if not env.get("git", {}).get("src_status") else " + uncommitted src/"))
+    where = "git-archive snapshot" if src.get("snapshot_commit") else "working tree"
+    load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "?"  # noqa: E731
+    return (
+        f"_torchreplicate {commit[:12]} ({where}), torch {env.get('torch', '?')}, {env.get('cpu_count', '?')} CPUs, "
+        f"load average (1/5/15 min) {load(env.get('loadavg_start'))} at start, {load(env.get('loadavg_end'))} at end_"
+    )
+
+
 def _git_info() -> dict:
     def run(*args):
         try:
@@ -1063,9 +1244,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "instrumented": "reducer methods wrapped at class level in the ranks (separate, untimed pass); calibrated wrapper cost subtracted",
     }
     report["env"]["loadavg_end"] = os.getloadavg()
+    report["env"]["source"] = source_info(report["env"].get("torchreplicate_file_in_ranks") or torchreplicate.__file__)
     report["elapsed_s"] = time.time() - started
 
-    table = markdown_tables(report)
+    table = run_header(report) + "\n\n" + markdown_tables(report)
     json_path = os.path.join(args.out, "latest.json")
     tmp = json_path + ".tmp"
     with open(tmp, "w") as f:

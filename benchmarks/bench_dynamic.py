@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""Dynamic-graph cost: a parameter unused on one rank, ``replicate()`` vs torch DDP.
+
+Usage::
+
+    python benchmarks/bench_dynamic.py              # full run, ~3 min on 2 CPU cores
+    python benchmarks/bench_dynamic.py --quick      # smoke run, ~40 s
+    python benchmarks/bench_dynamic.py --models mlp --unused bias --rounds 20
+
+One launch, 2 ranks, gloo, one intra-op thread per rank. Per model and per
+kind of unused parameter (``--unused``), five engines live side by side in
+one process group, each on its own model copy (same init) with its own SGD,
+timed in interleaved rounds exactly as in ``bench_ddp.py`` (its
+``run_rounds``):
+
+- ``ours_static``: ``replicate()`` defaults, every parameter used on every rank;
+- ``ddp_static``: torch DDP defaults, same static model;
+- ``ours_dyn``: ``replicate()`` defaults (no flag), the parameter unused on rank 1;
+- ``ddp_fu_dyn``: DDP with ``find_unused_parameters=True`` (required there), same;
+- ``ddp_fu_static``: DDP with ``find_unused_parameters=True`` on the static
+  model, to separate the flag's own cost from the unused parameter's.
+
+Kinds of unused parameter: ``bias`` — the model gets one extra parameter, an
+output bias (1024 or 128 elements) added to its output, which rank 1 skips:
+the compute is the same on both ranks, only the reducer's handling differs;
+``layer`` — rank 1 skips the model's last ``Linear`` (a weight and a bias),
+so rank 1 also computes less. Either way the unused tensors are the first
+gradients of backward, in the first bucket (ours and DDP).
+
+Afterwards (untimed): collectives per step and their payload
+(``bench_ddp.count_wire``), and the largest parameter difference between our
+engine and DDP's after the same steps (both average the same gradients, so
+it is rounding). Writes ``<out>/dynamic.json`` and ``<out>/dynamic.md`` and
+prints the tables. Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_ddp as B  # noqa: E402
+
+MODELS = ("mlp", "small")
+UNUSED = ("bias", "layer")
+ENGINES = ("ours_static", "ddp_static", "ours_dyn", "ddp_fu_dyn", "ddp_fu_static")
+PAIRS = (
+    ("ours_dyn", "ours_static"),  # what an unused parameter costs us
+    ("ours_dyn", "ddp_fu_dyn"),  # us vs DDP on the dynamic graph
+    ("ours_static", "ddp_static"),  # the static path, for comparison with bench_ddp
+    ("ddp_fu_dyn", "ddp_static"),  # what the dynamic graph costs DDP
+    ("ddp_fu_static", "ddp_static"),  # what the flag alone costs DDP
+    ("ours_dyn", "ddp_static"),
+)
+UNUSED_TITLES = {
+    "bias": "extra output bias unused on rank 1",
+    "layer": "last Linear unused on rank 1",
+}
+
+
+def build_dynamic(model_name: str, unused: str, skip: bool):
+    """The benchmark model, with one parameter (or layer) that ``skip`` leaves out."""
+    import torch
+    from torch import nn
+
+    base = B.build_model(model_name)
+    width = {"mlp": 1024, "small": 128}[model_name]
+    last_linear = max(i for i, m in enumerate(base) if isinstance(m, nn.Linear))
+
+    class Bias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(width))
+
+    class Dynamic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = base
+            if unused == "bias":
+                # a child registered after ``base``, so the extra parameter is
+                # the last in registration order (a module's own parameters
+                # would come first): its gradient comes first in backward and
+                # it lands in the first bucket, with the last Linear
+                self.extra = Bias()
+
+        def forward(self, x):
+            if unused == "bias":
+                y = self.base(x)
+                return y if skip else y + self.extra.bias
+            for i, layer in enumerate(self.base):
+                if not (skip and i == last_linear):
+                    x = layer(x)
+            return x
+
+    return Dynamic()
+
+
+def make_engine(kind: str, model_name: str, unused: str, rank: int) -> B.Engine:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchreplicate import replicate
+
+    torch.manual_seed(0)
+    dynamic = kind.endswith("_dyn")
+    raw = build_dynamic(model_name, unused, skip=dynamic and rank == 1)
+    if kind.startswith("ours"):
+        module = replicate(raw)
+    elif kind == "ddp_static":
+        module = DDP(raw)
+    else:
+        module = DDP(raw, find_unused_parameters=True)
+    return B.Engine.around(kind, model_name, module, raw)
+
+
+def _max_param_diff(a: B.Engine, b: B.Engine) -> float:
+    import torch
+
+    with torch.no_grad():
+        return max(float((p - q).abs().max()) for p, q in zip(a.raw.parameters(), b.raw.parameters()))
+
+
+def timing_worker(cfg: dict) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    # DDP warns once that the static model has no unused parameter: that is
+    # the point of ddp_fu_static
+    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
+    rank, world = B._init_rank(1)
+    import torchreplicate
+
+    out: dict[str, Any] = {"rank": rank, "world_size": world, "models": {}, "torchreplicate_file": torchreplicate.__file__}
+    for model_name in cfg["models"]:
+        batch = B.make_batch(model_name, rank)
+        for unused in cfg["unused"]:
+            engines = {kind: make_engine(kind, model_name, unused, rank) for kind in cfg["engines"]}
+            first = engines[cfg["engines"][0]]
+            timed = B.run_rounds(engines, batch, cfg)
+            wire = {kind: B.count_wire(lambda e=e: e.step(batch)) for kind, e in engines.items()}
+            # every engine ran the same steps from the same init
+            diffs = {}
+            for a, b in (("ours_dyn", "ddp_fu_dyn"), ("ours_static", "ddp_static")):
+                if a in engines and b in engines:
+                    diffs[f"{a}-{b}"] = _max_param_diff(engines[a], engines[b])
+            dist.barrier()
+            out["models"][f"{model_name}:{unused}"] = {
+                "n_params": sum(p.numel() for p in first.raw.parameters()),
+                "n_tensors": len(list(first.raw.parameters())),
+                **timed,
+                "collectives": wire,
+                "max_param_diff": diffs,
+            }
+            del engines, first
+            gc.collect()
+    return out
+
+
+# --------------------------------------------------------------------------
+# report
+
+
+def markdown(report: dict) -> str:
+    lines = [B.run_header(report), ""]
+    lines.append(
+        "**Dynamic graph** (2 ranks, gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; "
+        "ratio = median of per-round ratios [IQR] (min-max); `dyn` = one parameter unused on rank 1 every step; "
+        "ours = `replicate()` defaults, no flag; DDP-fu = DDP with `find_unused_parameters=True`)"
+    )
+    lines.append("")
+    lines.append("| model | unused on rank 1 | ours static ms | DDP static ms | ours dyn ms | DDP-fu dyn ms | DDP-fu static ms "
+                 "| **ours dyn / ours static** | **ours dyn / DDP-fu dyn** | ours static / DDP static | DDP-fu dyn / DDP static |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, m in report["results"].items():
+        model_name, unused = key.split(":")
+        e, r = m["engines"], m["ratios"]
+
+        def ms(kind):
+            return f"{e[kind]['step_ms']['median']:.2f}" if kind in e else "n/a"
+
+        lines.append(
+            f"| {B.MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} | {ms('ours_static')} | {ms('ddp_static')} "
+            f"| {ms('ours_dyn')} | {ms('ddp_fu_dyn')} | {ms('ddp_fu_static')} "
+            f"| {B._fmt_ratio(r.get('ours_dyn/ours_static'))} | {B._fmt_ratio(r.get('ours_dyn/ddp_fu_dyn'))} "
+            f"| {B._fmt_ratio(r.get('ours_static/ddp_static'))} | {B._fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
+        )
+    lines.append("")
+    lines.append("**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `bench_ddp.count_wire`: "
+                 "wrapped `torch.distributed` calls + torch.profiler gloo events; DDP's C++ reducer shows in the profiler only). "
+                 "max |Δparam| = largest parameter difference between ours and DDP after the same steps from the same init.")
+    lines.append("")
+    lines.append("| model | unused on rank 1 | collectives/step ours static / DDP static / ours dyn / DDP-fu dyn / DDP-fu static "
+                 "| payload MiB/step ours dyn / DDP-fu dyn | max abs param diff dyn / static |")
+    lines.append("|---|---|---|---|---|")
+    for key, m in report["results"].items():
+        model_name, unused = key.split(":")
+        c = m["collectives"]
+
+        def cnt(kind):
+            return f"{c[kind]['per_step']:.0f}" if kind in c else "n/a"
+
+        def pay(kind):
+            return f"{c[kind]['payload_bytes_per_step'] / B.MiB:.3f}" if kind in c else "n/a"
+
+        d = m["max_param_diff"]
+        lines.append(
+            f"| {B.MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} "
+            f"| {' / '.join(cnt(k) for k in ENGINES)} | {pay('ours_dyn')} / {pay('ddp_fu_dyn')} "
+            f"| {d.get('ours_dyn-ddp_fu_dyn', float('nan')):.2g} / {d.get('ours_static-ddp_static', float('nan')):.2g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per case (default 40; quick 5)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)")
+    parser.add_argument("--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 5; quick 3)")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (~1 min)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list from {MODELS}")
+    parser.add_argument("--unused", default=",".join(UNUSED), help=f"comma list from {UNUSED}")
+    parser.add_argument("--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)")
+    parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
+    args = parser.parse_args(argv)
+
+    from torchreplicate.launcher import launch
+    import torch
+    import torchreplicate
+
+    models = [m for m in args.models.split(",") if m]
+    unused = [u for u in args.unused.split(",") if u]
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"unknown model {m!r}")
+    for u in unused:
+        if u not in UNUSED:
+            parser.error(f"unknown --unused {u!r}")
+    quick = args.quick
+    cfg = {
+        "models": models,
+        "unused": unused,
+        "engines": list(ENGINES),
+        "rounds": args.rounds or (5 if quick else 40),
+        "steps": args.steps,
+        "min_steps": 2 if quick else 3,
+        "block_s": args.block_s or (0.15 if quick else 0.25),
+        "warmup": args.warmup or (3 if quick else 5),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    started = time.time()
+    report: dict[str, Any] = {
+        "config": {**cfg, "quick": quick},
+        "world_size": 2,
+        "env": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "torchreplicate_file": torchreplicate.__file__,
+            "git": B._git_info(),
+            "loadavg_start": os.getloadavg(),
+            "threads_per_rank": 1,
+        },
+        "method": {
+            "step_time": "bench_ddp.run_rounds: median over rounds of block wall time / K, slowest rank; engines interleaved, order rotated each round",
+            "ratio": "per round: engine block / reference block in the same round; median, quartiles, min, max",
+            "collectives": B.count_wire.__doc__.strip().splitlines()[0],
+            "models": {u: UNUSED_TITLES[u] for u in UNUSED},
+        },
+    }
+    print("[bench_dynamic] timing, 2 ranks ...", flush=True)
+    out = launch(timing_worker, nprocs=2, args=(cfg,), timeout_s=args.timeout, threads_per_rank=1)
+    report["env"]["torchreplicate_file_in_ranks"] = out[0]["torchreplicate_file"]
+    results = B.aggregate_timing(out, pairs=PAIRS)
+    for key, m in results.items():
+        m0 = out[0]["models"][key]
+        m["collectives"] = m0["collectives"]
+        m["collectives_rank1"] = out[1]["models"][key]["collectives"]
+        m["max_param_diff"] = {k: max(r["models"][key]["max_param_diff"][k] for r in out) for k in m0["max_param_diff"]}
+    report["results"] = results
+    report["env"]["loadavg_end"] = os.getloadavg()
+    report["env"]["source"] = B.source_info(out[0]["torchreplicate_file"])
+    report["elapsed_s"] = time.time() - started
+
+    table = markdown(report)
+    path = os.path.join(args.out, "dynamic.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(args.out, "dynamic.md"), "w") as f:
+        f.write(table)
+    print()
+    print(table)
+    print(f"[bench_dynamic] wrote {path} and dynamic.md in {report['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
