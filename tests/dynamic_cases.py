@@ -105,6 +105,15 @@ class Reused(nn.Module):
         return self.out(self.shared(h))
 
 
+def other_method_checkpointed(model, rank, world_size, step):
+    # no forward hook runs, and the first gradient hook fires inside a nested
+    # (reentrant) backward: see [Note: end of backward] in reducer.py
+    x = data(rank, step).requires_grad_()
+    h = torch.tanh(model.inp(x))
+    head = lambda t: model.out(model.shared(model.segment(t)))  # noqa: E731
+    return cp.checkpoint(head, h, use_reentrant=True).pow(2).mean()
+
+
 def reused_static(model, rank, world_size, step):
     x = data(rank, step).requires_grad_(model.reentrant is True)  # reentrant needs an input that requires grad
     return model(x).pow(2).mean()
@@ -134,6 +143,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]] = 
     "checkpoint_reentrant_growing": (lambda: Reused(True), reused_growing),
     "checkpoint_non_reentrant_growing": (lambda: Reused(False), reused_growing),
     "checkpoint_reentrant_by_rank": (lambda: Reused(True), reused_rank_dependent),
+    "other_method_checkpointed": (lambda: Reused(True), other_method_checkpointed),
 }
 
 

@@ -63,7 +63,13 @@ are unscaled and divided after their own round.
 [Note: end of backward]
 The callback is queued from a hook on the forward outputs (the outermost
 backward pass reaches them first), or, when no forward hook ran (a method
-other than ``forward``), from the first parameter hook of the backward.
+other than ``forward``), from the first parameter hook of the backward. If
+that first hook fires inside a nested pass (reentrant checkpointing around
+the last layers, called through such a method), the callback runs when the
+nested pass ends, and the rest of the backward queues another: the step is
+reduced in two rounds, each agreed, and the second adds the mean of what the
+outer pass accumulated. Still exact, as long as every rank's graph has the
+same nesting (tests/dynamic_cases.py: other_method_checkpointed).
 """
 
 from __future__ import annotations
