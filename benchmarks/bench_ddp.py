@@ -722,9 +722,6 @@ def run_rounds(engines: dict, batch, cfg: dict) -> dict:
 
 
 def timing_worker(cfg: dict) -> dict:
-    import torch
-    import torch.distributed as dist
-
     rank, world = _init_rank(1)
     out: dict[str, Any] = {"rank": rank, "world_size": world, "models": {}}
     import torchreplicate
@@ -1086,6 +1083,17 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def write_report(report: dict, table: str, out_dir: str, name: str) -> str:
+    """Writes ``<name>.json`` (atomically) and ``<name>.md`` in ``out_dir``; returns the JSON path."""
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table)
+    return json_path
+
+
 def source_info(module_file: Optional[str]) -> dict:
     """Which torchreplicate a process imported: this checkout's, or a snapshot.
 
@@ -1152,10 +1160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torchreplicate  # noqa: F401
     except ImportError:  # run from a checkout without installing
         sys.path.insert(0, os.path.join(REPO, "src"))
-    try:
-        from torchreplicate.launcher import launch
-    except ImportError:  # the module's name before it was renamed
-        from torchreplicate.launch import launch
+    from torchreplicate.launcher import launch
     import torch
     import torchreplicate
 
@@ -1248,13 +1253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["elapsed_s"] = time.time() - started
 
     table = run_header(report) + "\n\n" + markdown_tables(report)
-    json_path = os.path.join(args.out, "latest.json")
-    tmp = json_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, json_path)
-    with open(os.path.join(args.out, "latest.md"), "w") as f:
-        f.write(table)
+    json_path = write_report(report, table, args.out, "latest")
     try:
         plot(report, os.path.join(args.out, "ratios.png"))
     except Exception as error:  # noqa: BLE001 - the plot is optional

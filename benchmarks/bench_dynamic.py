@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -292,12 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["elapsed_s"] = time.time() - started
 
     table = markdown(report)
-    path = os.path.join(args.out, "dynamic.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(args.out, "dynamic.md"), "w") as f:
-        f.write(table)
+    path = B.write_report(report, table, args.out, "dynamic")
     print()
     print(table)
     print(f"[bench_dynamic] wrote {path} and dynamic.md in {report['elapsed_s']:.0f} s")

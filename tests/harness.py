@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
-import os
 import queue
-import sys
 import time
 import traceback
 from typing import Any, Callable

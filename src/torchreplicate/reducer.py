@@ -75,7 +75,7 @@ same nesting (tests/dynamic_cases.py: other_method_checkpointed).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
