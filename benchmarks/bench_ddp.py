@@ -237,7 +237,7 @@ class Engine:
 # helpers run inside the ranks
 
 
-def _init_rank(threads: int = 1):
+def init_rank(threads: int = 1):
     import torch
     import torch.distributed as dist
 
@@ -722,7 +722,7 @@ def run_rounds(engines: dict, batch, cfg: dict) -> dict:
 
 
 def timing_worker(cfg: dict) -> dict:
-    rank, world = _init_rank(1)
+    rank, world = init_rank(1)
     out: dict[str, Any] = {"rank": rank, "world_size": world, "models": {}}
     import torchreplicate
 
@@ -772,7 +772,7 @@ def _reset_hwm() -> bool:
 def memory_worker(cfg: dict) -> dict:
     import torch.distributed as dist
 
-    rank, world = _init_rank(1)
+    rank, world = init_rank(1)
     out: dict[str, Any] = {"rank": rank, "models": {}, "malloc_env": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     import torch
 
@@ -944,7 +944,7 @@ def aggregate_memory(rank_outputs: list[dict]) -> dict:
     return models
 
 
-def _fmt_ratio(r: Optional[dict]) -> str:
+def fmt_ratio(r: Optional[dict]) -> str:
     if not r:
         return "n/a"
     return f"{r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}] ({r['min']:.2f}-{r['max']:.2f})"
@@ -968,7 +968,7 @@ def markdown_tables(report: dict) -> str:
             f"| {MODEL_TITLES.get(name, name)} | {m['n_params'] / 1e6:.2f}M ({m['n_tensors']}) "
             f"| {e['local']['step_ms']['median']:.2f} | {e['ddp']['step_ms']['median']:.2f} "
             f"| {e['ddp_gbv']['step_ms']['median']:.2f} | {e['ours']['step_ms']['median']:.2f} "
-            f"| {_fmt_ratio(m['ratios'].get('ours/ddp'))} | {_fmt_ratio(m['ratios'].get('ours/ddp_gbv'))} "
+            f"| {fmt_ratio(m['ratios'].get('ours/ddp'))} | {fmt_ratio(m['ratios'].get('ours/ddp_gbv'))} "
             f"| {x['ddp']:.2f} / {x['ddp_gbv']:.2f} / {x['ours']:.2f} |"
         )
     lines.append("")
@@ -1019,7 +1019,7 @@ def markdown_tables(report: dict) -> str:
                 return f"{v['median']:.1f} [{w['median']:.1f}]" if v and w else "n/a"
 
             lines.append(
-                f"| {MODEL_TITLES.get(name, name)} | {ms('local')} | {ms('ours')} | {_fmt_ratio(m['ratios'].get('ours/local'))} "
+                f"| {MODEL_TITLES.get(name, name)} | {ms('local')} | {ms('ours')} | {fmt_ratio(m['ratios'].get('ours/local'))} "
                 f"| {ms('ddp')} | {ms('reducer')} | {per_t('ddp')} / {per_t('reducer')} / {per_t('noop_hooks')} |"
             )
     rows = [(name, m["reducer_breakdown"]) for name, m in ws2.items() if "reducer_breakdown" in m]
@@ -1083,6 +1083,22 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def finish_report(report: dict, started: float, rank_file: str, table_of, out_dir: str, name: str) -> str:
+    """Stamps the end load, the measured source and the run time; writes and prints the report.
+
+    Returns the markdown table.
+    """
+    report["env"]["loadavg_end"] = os.getloadavg()
+    report["env"]["source"] = source_info(rank_file)
+    report["elapsed_s"] = time.time() - started
+    table = table_of(report)
+    path = write_report(report, table, out_dir, name)
+    print()
+    print(table)
+    print(f"[bench_{name}] wrote {path} and {name}.md in {report['elapsed_s']:.0f} s")
+    return table
+
+
 def write_report(report: dict, table: str, out_dir: str, name: str) -> str:
     """Writes ``<name>.json`` (atomically) and ``<name>.md`` in ``out_dir``; returns the JSON path."""
     json_path = os.path.join(out_dir, f"{name}.json")
@@ -1125,7 +1141,7 @@ def run_header(report: dict) -> str:
     )
 
 
-def _git_info() -> dict:
+def git_info() -> dict:
     def run(*args):
         try:
             return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=10).stdout.strip()
@@ -1192,7 +1208,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
             "torchreplicate_file": torchreplicate.__file__,
-            "git": _git_info(),
+            "git": git_info(),
             "loadavg_start": os.getloadavg(),
             "threads_per_rank": 1,
             "gpt": {"tied_embedding": True, "seq": GPT_SEQ, "batch": GPT_BATCH, "vocab": GPT_VOCAB},

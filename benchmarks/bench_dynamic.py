@@ -135,7 +135,7 @@ def timing_worker(cfg: dict) -> dict:
     # DDP warns once that the static model has no unused parameter: that is
     # the point of ddp_fu_static
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
-    rank, world = B._init_rank(1)
+    rank, world = B.init_rank(1)
     import torchreplicate
 
     out: dict[str, Any] = {"rank": rank, "world_size": world, "models": {}, "torchreplicate_file": torchreplicate.__file__}
@@ -189,8 +189,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {B.MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} | {ms('ours_static')} | {ms('ddp_static')} "
             f"| {ms('ours_dyn')} | {ms('ddp_fu_dyn')} | {ms('ddp_fu_static')} "
-            f"| {B._fmt_ratio(r.get('ours_dyn/ours_static'))} | {B._fmt_ratio(r.get('ours_dyn/ddp_fu_dyn'))} "
-            f"| {B._fmt_ratio(r.get('ours_static/ddp_static'))} | {B._fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
+            f"| {B.fmt_ratio(r.get('ours_dyn/ours_static'))} | {B.fmt_ratio(r.get('ours_dyn/ddp_fu_dyn'))} "
+            f"| {B.fmt_ratio(r.get('ours_static/ddp_static'))} | {B.fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
         )
     lines.append("")
     lines.append("**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `bench_ddp.count_wire`: "
@@ -265,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "torchreplicate_file": torchreplicate.__file__,
-            "git": B._git_info(),
+            "git": B.git_info(),
             "loadavg_start": os.getloadavg(),
             "threads_per_rank": 1,
         },
@@ -286,15 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         m["collectives_rank1"] = out[1]["models"][key]["collectives"]
         m["max_param_diff"] = {k: max(r["models"][key]["max_param_diff"][k] for r in out) for k in m0["max_param_diff"]}
     report["results"] = results
-    report["env"]["loadavg_end"] = os.getloadavg()
-    report["env"]["source"] = B.source_info(out[0]["torchreplicate_file"])
-    report["elapsed_s"] = time.time() - started
-
-    table = markdown(report)
-    path = B.write_report(report, table, args.out, "dynamic")
-    print()
-    print(table)
-    print(f"[bench_dynamic] wrote {path} and dynamic.md in {report['elapsed_s']:.0f} s")
+    B.finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "dynamic")
     return 0
 
 

@@ -143,7 +143,7 @@ def timing_worker(cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    rank, world = B._init_rank(1)
+    rank, world = B.init_rank(1)
     import torchreplicate
 
     out: dict[str, Any] = {"rank": rank, "world_size": world, "torchreplicate_file": torchreplicate.__file__}
@@ -239,9 +239,9 @@ def markdown(report: dict) -> str:
 
         diff = m["max_param_diff"].get(v)
         lines.append(
-            f"| {TITLES[v]} | {ms(o)} | {ms(d)} | {B._fmt_ratio(r.get(f'{o}/{d}'))} "
-            f"| {B._fmt_ratio(r.get(f'{o}/ours.fp32')) if v != 'fp32' else '1'} "
-            f"| {B._fmt_ratio(r.get(f'{d}/ddp.fp32')) if v != 'fp32' else '1'} "
+            f"| {TITLES[v]} | {ms(o)} | {ms(d)} | {B.fmt_ratio(r.get(f'{o}/{d}'))} "
+            f"| {B.fmt_ratio(r.get(f'{o}/ours.fp32')) if v != 'fp32' else '1'} "
+            f"| {B.fmt_ratio(r.get(f'{d}/ddp.fp32')) if v != 'fp32' else '1'} "
             f"| {cnt(o)} / {cnt(d)} | {pay(o)} / {pay(d)} | {'-' if diff is None else f'{diff:.2g}'} |"
         )
     extra = [(k, lbl) for k, lbl in (("ours.psgd_r2_buckets/ours.psgd_r2", "ours PowerSGD r=2, default buckets / one bucket"),
@@ -249,7 +249,7 @@ def markdown(report: dict) -> str:
     if extra:
         lines.append("")
         for k, lbl in extra:
-            lines.append(f"- {lbl}: {B._fmt_ratio(r[k])}")
+            lines.append(f"- {lbl}: {B.fmt_ratio(r[k])}")
     lines.append("")
     lines.append("Gradient elements per bucket: "
                  + "; ".join(f"{name} {b}" for name, b in m["buckets"].items() if "psgd" in name or name.endswith("fp32"))
@@ -301,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "torchreplicate_file": torchreplicate.__file__,
-            "git": B._git_info(),
+            "git": B.git_info(),
             "loadavg_start": os.getloadavg(),
             "threads_per_rank": 1,
         },
@@ -325,15 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     report["results"] = results
     report["refused"] = out[0]["refused"]
-    report["env"]["loadavg_end"] = os.getloadavg()
-    report["env"]["source"] = B.source_info(out[0]["torchreplicate_file"])
-    report["elapsed_s"] = time.time() - started
-
-    table = markdown(report)
-    path = B.write_report(report, table, args.out, "hooks")
-    print()
-    print(table)
-    print(f"[bench_hooks] wrote {path} and hooks.md in {report['elapsed_s']:.0f} s")
+    B.finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "hooks")
     return 0
 
 

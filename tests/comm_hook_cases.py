@@ -152,6 +152,21 @@ def _check_grads(model, global_grads, shard_grads, compare: str, where: str) -> 
     return {"worst_ratio": ratio, "differs": differs}
 
 
+def _replica_backward(model, reference, make_batch, loss_of, rank, world_size, step):
+    """Points the reference at the replica's parameters, runs the replica's
+    backward on this rank's shard; returns (global batch, error text or None)."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.copy_(p)
+    batch = make_batch(torch.Generator().manual_seed(step), PER_RANK * world_size)
+    local = batch[rank * PER_RANK : (rank + 1) * PER_RANK]
+    try:
+        loss_of(model(local), local).backward()
+    except Exception:
+        return batch, _error_text()
+    return batch, None
+
+
 def train_with_hook(
     rank: int,
     world_size: int,
@@ -177,15 +192,9 @@ def train_with_hook(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     digests, worst, differs = [], 0.0, False
     for step in range(steps):
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), reference.parameters()):
-                q.copy_(p)
-        batch = make_batch(torch.Generator().manual_seed(step), PER_RANK * world_size)
-        local = batch[rank * PER_RANK : (rank + 1) * PER_RANK]
-        try:
-            loss_of(model(local), local).backward()
-        except Exception:
-            return {"error": _error_text(), "step": step}
+        batch, error = _replica_backward(model, reference, make_batch, loss_of, rank, world_size, step)
+        if error is not None:
+            return {"error": error, "step": step}
         global_grads, shard_grads = _reference_grads(reference, loss_of, batch, world_size)
         stats = _check_grads(model, global_grads, shard_grads, compare, f"rank {rank} step {step}")
         worst, differs = max(worst, stats["worst_ratio"]), differs or stats["differs"]
@@ -410,15 +419,9 @@ def counting_hook_run(
         factor = 1.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), reference.parameters()):
-                q.copy_(p)
-        batch = make_batch(torch.Generator().manual_seed(step), PER_RANK * world_size)
-        local = batch[rank * PER_RANK : (rank + 1) * PER_RANK]
-        try:
-            loss_of(model(local), local).backward()
-        except Exception:
-            return {"error": _error_text(), "step": step}
+        batch, error = _replica_backward(model, reference, make_batch, loss_of, rank, world_size, step)
+        if error is not None:
+            return {"error": error, "step": step}
         reference.zero_grad(set_to_none=True)
         loss_of(reference(batch), batch).backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
