@@ -182,3 +182,32 @@ def test_device_id_int_on_a_cpu_machine(pools):
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU fallback of an int device_id; this machine has a GPU")
     assert pools.run(2, check_device_id) == [{"cpu"}, {"cpu"}]
+
+
+def check_dropped_model_is_freed(rank, world_size):
+    import gc
+    import weakref
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    alive = []
+    for with_hook in (False, True):
+        model = nn.Sequential(MLP())
+        model.register_buffer("scale", torch.ones(1))  # a buffer owned by the root itself
+        replicate(model)
+        if with_hook:  # a hook builds a reducer even at world size 1
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        model(torch.randn(2, 32)).sum().backward()
+        refs = weakref.ref(model), weakref.ref(replicate.state(model))
+        del model
+        gc.collect()
+        alive.append([ref() is not None for ref in refs])
+    return alive
+
+
+def test_dropped_model_frees_its_state(pools):
+    # A state that referenced its module strongly (directly, or as the owner
+    # of a buffer) kept every replicated model, its buckets and its process
+    # group alive until interpreter exit: the registry maps module -> state weakly.
+    for world_size in (1, 2):
+        assert pools.run(world_size, check_dropped_model_is_freed) == [[[False, False]] * 2] * world_size

@@ -8,6 +8,7 @@ installs the forward hooks. Gradient reduction itself is in reducer.py.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -39,12 +40,17 @@ class ReplicateState:
     """
 
     def __init__(self, module: nn.Module, config: ReplicateConfig) -> None:
-        self.module = module  # the replicated root
+        # The registry maps module -> state weakly; a strong reference back
+        # would keep every replicated model (and its process group) alive
+        # until interpreter exit.
+        self._module_ref = weakref.ref(module)  # the replicated root
         self.config = config  # options, frozen
         self.group: Optional[dist.ProcessGroup] = None  # resolved at init
         self.params: list[nn.Parameter] = []  # replicated parameters, registration order
         self._param_names: list[str] = []  # their fully qualified names
-        self._buffers: list[tuple[nn.Module, str]] = []  # (owner, name) of replicated buffers
+        # (owner, name) of replicated buffers; owners held weakly, as the root
+        # is often one of them (see _module_ref).
+        self._buffers: list[tuple[weakref.ref[nn.Module], str]] = []
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         self.requires_gradient_sync = True  # mirrors set_requires_gradient_sync()
         self._comm_hook: Optional[tuple[Any, Any]] = None  # (state, hook) as registered
@@ -58,6 +64,14 @@ class ReplicateState:
         ]
 
     # -- public --------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The root module ``replicate()`` was applied to."""
+        module = self._module_ref()
+        if module is None:
+            raise RuntimeError("replicate.state(): the replicated module was garbage-collected")
+        return module
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -172,7 +186,7 @@ class ReplicateState:
             params.append(param)
         return names, params
 
-    def _collect_buffers(self) -> Iterator[tuple[nn.Module, str]]:
+    def _collect_buffers(self) -> Iterator[tuple[weakref.ref[nn.Module], str]]:
         skipped_ids = {id(b) for m in self._skipped_modules() for b in m.buffers()}
         seen: set[int] = set()
         for module in self.module.modules():
@@ -180,10 +194,10 @@ class ReplicateState:
                 if buffer is None or id(buffer) in skipped_ids or id(buffer) in seen:
                     continue
                 seen.add(id(buffer))
-                yield module, name
+                yield weakref.ref(module), name
 
     def _buffer_values(self) -> list[torch.Tensor]:
-        return [getattr(owner, name) for owner, name in self._buffers]
+        return [getattr(owner(), name) for owner, name in self._buffers]
 
     def _collective_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
@@ -214,7 +228,7 @@ class ReplicateState:
         # tensors (two forwards through BatchNorm before one backward).
         fresh = broadcast_coalesced(self._buffer_values(), self.group, in_place=False)
         for (owner, name), tensor in zip(self._buffers, fresh):
-            setattr(owner, name, tensor)
+            setattr(owner(), name, tensor)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         reducer = self.reducer
