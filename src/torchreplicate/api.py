@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.config import ReplicateConfig, to_device
+from torchreplicate.config import ReplicateConfig, check_process_group, to_device
 from torchreplicate.registry import get_state, register_state, unregister_state
 from torchreplicate.state import ReplicateState, is_fully_sharded, warn_no_effect
 
@@ -139,10 +139,10 @@ def replicate(
     if is_fully_sharded(module):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
     device = to_device(device_id)
+    check_process_group(process_group)
     config = ReplicateConfig(
         ignored_modules=tuple(ignored_modules or ()),
         device_id=device,
-        process_group=process_group,
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
@@ -156,7 +156,7 @@ def replicate(
         warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")
     if static_graph:
         warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps")
-    state = ReplicateState(module, config)
+    state = ReplicateState(module, config, process_group)
     register_state(module, state)
     try:
         state.init()

@@ -14,6 +14,9 @@ from torch import nn
 class ReplicateConfig:
     """Validated options of one ``replicate()`` call; see ``replicate`` for each.
 
+    The process group is not kept here: ``ReplicateState`` holds it weakly
+    (see ``collectives.WeakGroup``).
+
     Raises:
         TypeError / ValueError / RuntimeError: naming the option, the value
             and the fix.
@@ -21,7 +24,6 @@ class ReplicateConfig:
 
     ignored_modules: tuple[nn.Module, ...] = ()
     device_id: Optional[torch.device] = None
-    process_group: Optional[dist.ProcessGroup] = None
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     gradient_as_bucket_view: bool = True
@@ -61,11 +63,15 @@ class ReplicateConfig:
                 "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
                 f"None for the mean over ranks), got {factor!r}"
             )
-        if self.process_group is not None and not isinstance(self.process_group, dist.ProcessGroup):
-            raise TypeError(
-                "replicate(): process_group must be a torch.distributed.ProcessGroup "
-                f"(e.g. from dist.new_group()), got {type(self.process_group).__name__}"
-            )
+
+
+def check_process_group(process_group: object) -> None:
+    """Refuses a ``replicate(process_group=...)`` that is not a process group."""
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "replicate(): process_group must be a torch.distributed.ProcessGroup "
+            f"(e.g. from dist.new_group()), got {type(process_group).__name__}"
+        )
 
 
 def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:

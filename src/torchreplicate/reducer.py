@@ -82,6 +82,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.buckets import BucketSpec, plan_buckets
+from torchreplicate.collectives import WeakGroup
 from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.engine_callback import queue_end_of_backward_callback
 
@@ -151,7 +152,7 @@ class Reducer:
     ) -> None:
         self.params = list(params)  # the reduced parameters
         self.names = list(names)  # their FQNs
-        self.group = group  # process group of the collectives
+        self._group = WeakGroup(group)  # process group of the collectives, held weakly
         self.world_size = dist.get_world_size(group)
         self.reduce_dtype = reduce_dtype  # wire dtype of the default path, None: as the params
         self.divide_factor = float(gradient_divide_factor or self.world_size)  # sum / this
@@ -191,6 +192,11 @@ class Reducer:
         self.hook_handles: list[Any] = []  # post-accumulate-grad hook handles
         self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
         self._install_hooks()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group of the collectives."""
+        return self._group.get()
 
     # -- set-up ------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.collectives import broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.reducer import Reducer
 
@@ -37,15 +37,19 @@ class ReplicateState:
     Args:
         module: the root module ``replicate()`` was applied to.
         config: its validated options.
+        process_group: the group to average over; None: the world group.
     """
 
-    def __init__(self, module: nn.Module, config: ReplicateConfig) -> None:
+    def __init__(
+        self, module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup] = None
+    ) -> None:
         # The registry maps module -> state weakly; a strong reference back
         # would keep every replicated model (and its process group) alive
         # until interpreter exit.
         self._module_ref = weakref.ref(module)  # the replicated root
         self.config = config  # options, frozen
-        self.group: Optional[dist.ProcessGroup] = None  # resolved at init
+        self._given_group = None if process_group is None else WeakGroup(process_group)
+        self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         self.params: list[nn.Parameter] = []  # replicated parameters, registration order
         self._param_names: list[str] = []  # their fully qualified names
         # (owner, name) of replicated buffers; owners held weakly, as the root
@@ -77,6 +81,13 @@ class ReplicateState:
     def param_names(self) -> tuple[str, ...]:
         """Fully qualified names of the replicated parameters, as in ``named_parameters()``."""
         return tuple(self._param_names)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group gradients are averaged over."""
+        if self._group is None:
+            raise RuntimeError("replicate.state(): the module was not initialised")
+        return self._group.get()
 
     @property
     def world_size(self) -> int:
@@ -138,7 +149,7 @@ class ReplicateState:
                 "torch.distributed.init_process_group() first (torchrun or "
                 "torchreplicate.launcher set up its environment)"
             )
-        self.group = self.config.process_group or dist.group.WORLD
+        self._group = self._given_group or WeakGroup(dist.group.WORLD)
         self._world_size = dist.get_world_size(self.group)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
