@@ -1141,6 +1141,30 @@ def run_header(report: dict) -> str:
     )
 
 
+# How bench_dynamic and bench_hooks time their engines (run_rounds), for their reports.
+ROUNDS_METHOD = {
+    "step_time": "bench_ddp.run_rounds: median over rounds of block wall time / K, slowest rank; engines interleaved, order rotated each round",
+    "ratio": "per round: engine block / reference block in the same round; median, quartiles, min, max",
+}
+
+
+def run_env(**extra: Any) -> dict:
+    """What a report records at the start of a run: torch, Python, CPUs, git, load; plus ``extra``."""
+    import torch
+    import torchreplicate
+
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torchreplicate_file": torchreplicate.__file__,
+        "git": git_info(),
+        "loadavg_start": os.getloadavg(),
+        "threads_per_rank": 1,
+        **extra,
+    }
+
+
 def git_info() -> dict:
     def run(*args):
         try:
@@ -1177,7 +1201,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError:  # run from a checkout without installing
         sys.path.insert(0, os.path.join(REPO, "src"))
     from torchreplicate.launcher import launch
-    import torch
     import torchreplicate
 
     models = [m for m in args.models.split(",") if m]
@@ -1202,17 +1225,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     report: dict[str, Any] = {
         "config": {**cfg, "quick": quick},
         "world_size": args.nprocs,
-        "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "machine": platform.machine(),
-            "torchreplicate_file": torchreplicate.__file__,
-            "git": git_info(),
-            "loadavg_start": os.getloadavg(),
-            "threads_per_rank": 1,
-            "gpt": {"tied_embedding": True, "seq": GPT_SEQ, "batch": GPT_BATCH, "vocab": GPT_VOCAB},
-        },
+        "env": run_env(
+            machine=platform.machine(),
+            gpt={"tied_embedding": True, "seq": GPT_SEQ, "batch": GPT_BATCH, "vocab": GPT_VOCAB},
+        ),
     }
 
     def phase(label: str, fn, nprocs: int, phase_cfg: dict, env: Optional[dict] = None):

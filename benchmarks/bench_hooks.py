@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import sys
 import time
 from typing import Any, Optional
@@ -272,8 +271,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     from torchreplicate.launcher import launch
-    import torch
-    import torchreplicate
 
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -296,18 +293,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report: dict[str, Any] = {
         "config": {**cfg, "quick": quick, "one_bucket_mb": ONE_BUCKET_MB},
         "world_size": 2,
-        "env": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "torchreplicate_file": torchreplicate.__file__,
-            "git": B.git_info(),
-            "loadavg_start": os.getloadavg(),
-            "threads_per_rank": 1,
-        },
+        "env": B.run_env(),
         "method": {
-            "step_time": "bench_ddp.run_rounds: median over rounds of block wall time / K, slowest rank; engines interleaved, order rotated each round",
-            "ratio": "per round: engine block / reference block in the same round; median, quartiles, min, max",
+            **B.ROUNDS_METHOD,
             "collectives": B.count_wire.__doc__,
         },
     }
