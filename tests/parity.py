@@ -87,9 +87,10 @@ def _grads_are_views(state) -> Optional[bool]:
     reducer = state.reducer
     if reducer is None:
         return None
-    for index, p in enumerate(reducer.params):
+    for slot in reducer.slots:
+        p = slot.param
         assert p.grad is not None, "every parameter of these models gets a gradient"
-        bucket = reducer.buckets[reducer.param_bucket[index]]
+        bucket = slot.bucket
         start = bucket.buffer.data_ptr()
         end = start + bucket.buffer.numel() * bucket.buffer.element_size()
         if not start <= p.grad.data_ptr() < end:

@@ -33,7 +33,7 @@ def reduce_in(rank, world_size, *, dtype_name, model_name="mlp"):
                 for p in module.parameters():
                     p -= 0.1 * p.grad
             module.zero_grad()
-    wire = {str(b.wire.dtype) for b in replicate.state(model).reducer.buckets}
+    wire = {str(w.dtype) for w in replicate.state(model).reducer.reduction.wires}
     return digest(model), worst, wire
 
 

@@ -1,8 +1,10 @@
-"""The gradient reducer: readiness bookkeeping, launching, finalising.
+"""The gradient reducer: readiness bookkeeping, launch order, end of backward.
 
-One ``Reducer`` per replicated module. It owns the flat bucket buffers, a
-post-accumulate-grad hook per parameter, and the end-of-backward callback
-that completes the step.
+One ``Reducer`` per replicated module (rebuilt on a re-plan). It owns the
+buckets (bucket.py), a post-accumulate-grad hook per parameter and the
+end-of-backward callback that completes the step. How a slot is filled and a
+bucket reduced is the ``Reduction``'s job (reduction.py); where ``.grad``
+lives is the ``GradLayout``'s (grad_layout.py).
 
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
@@ -10,55 +12,28 @@ own graph did. So buckets are launched strictly by index, each exactly once
 per synchronised backward, and the last bucket is always launched from the
 end-of-backward callback. A rank may launch bucket ``k`` early (from a
 gradient hook, overlapping backward) or late (from the callback); only the
-timing differs, never the sequence. Anything a rank knows alone travels in
-the last bucket, as a tail of ``num_params + 1`` elements: element ``i`` is 1
-where this rank holds a gradient for parameter ``i`` and element
-``num_params`` is 1 where a gradient arrived after its bucket was launched.
-After the last bucket is reduced, every rank reads the same sums and takes the
-same decisions: a parameter with no gradient on any rank keeps ``grad=None``;
-any late gradient anywhere triggers one more agreed round (``_reduce_late``).
-With a comm hook the tail is a tensor of its own (hooks may compress the
-bucket, or pad its buffer in place, as batched PowerSGD does) and travels as
-its own all-reduce, launched only after every hook's future has completed:
-hooks launch further collectives from their future callbacks (PowerSGD), at
-times that differ by rank, and the tail must not be enqueued among them.
+timing differs, never the sequence. Anything a rank knows alone travels as
+flags (flags.py) after the last bucket's gradients: which parameters this
+rank holds a gradient for, and whether a gradient arrived after its bucket
+was launched. After the last bucket is reduced, every rank reads the same
+sums and takes the same decisions: a parameter with no gradient on any rank
+keeps ``grad=None``; any late gradient anywhere triggers one more agreed
+round (``_reduce_late``).
 
 [Note: when is a parameter ready]
 A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
 can be several times in one backward (reentrant checkpointing runs nested
 backward passes). The reducer counts firings per parameter and learns the
-count each parameter reached in earlier synchronised steps (``expected``, a
-running maximum). A bucket is launched from a hook only when every one of its
-parameters has reached its expected count; until a parameter has been seen,
-its expected count is 0 and its bucket waits for the end of backward. The
-first step thus reduces everything at the end; later static steps overlap.
-If a parameter fires again after its bucket was launched (the graph changed),
-the gradient must not race with the collective that reads the bucket: at
-launch, each parameter's ``.grad`` is detached from the bucket, so a late
-accumulation lands in a fresh tensor, which the late round reduces.
-
-[Note: hooks run one bucket at a time]
-A comm hook may launch more collectives from its future's callbacks
-(PowerSGD all-reduces its P and Q factors there). Those callbacks run on the
-backend's threads when a collective completes, at a moment that differs by
-rank, so if the next bucket's hook were called meanwhile, ranks would enqueue
-collectives in different orders (gloo: "Received data size doesn't match").
-So the hook of bucket ``k`` is called only once bucket ``k - 1``'s future is
-complete; bucket ``k``'s communication still overlaps the backward computation
-that produces bucket ``k + 1``.
-
-[Note: the mean is taken on the way in]
-Without a comm hook the reducer sends each rank's gradient already divided by
-the divide factor, and the sum is the mean: no pass over the buckets after
-the collective. In ``gradient_as_bucket_view`` mode, a fresh ``.grad`` (after
-``zero_grad(set_to_none=True)``) is moved into its slot as ``grad * scale``
-in one pass, and ``.grad`` is detached (None) until the end of backward; a
-further accumulation in the same backward then arrives in a fresh ``.grad``
-again and is folded in, scaled, unless the bucket has left (then it is late).
-Slots filled any other way (``.grad`` already the view, accumulated under
-``no_sync``) are scaled in place just before the bucket is launched. In copy
-mode the copy into the slot at launch is the scaling pass. Late gradients
-are unscaled and divided after their own round.
+count each parameter reached in earlier synchronised steps
+(``ParamSlot.expected``, a running maximum). A bucket is launched from a hook
+only when every one of its parameters has reached its expected count; until
+a parameter has been seen, its expected count is 0 and its bucket waits for
+the end of backward. The first step thus reduces everything at the end; later
+static steps overlap. If a parameter fires again after its bucket was
+launched (the graph changed), the gradient must not race with the collective
+that reads the bucket: at launch, each parameter's ``.grad`` is detached from
+the bucket (``GradLayout.detach``), so a late accumulation lands in a fresh
+tensor, which the late round reduces.
 
 [Note: end of backward]
 The callback is queued from a hook on the forward outputs (the outermost
@@ -75,53 +50,46 @@ same nesting (tests/dynamic_cases.py: other_method_checkpointed).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.buckets import BucketSpec, plan_buckets
+from torchreplicate.bucket import Bucket, ParamSlot, StepState
+from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup
-from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.engine_callback import queue_end_of_backward_callback
+from torchreplicate.flags import StepFlags, num_flags
+from torchreplicate.grad_layout import GradLayout, LateGrads
+from torchreplicate.profiling import labelled
+from torchreplicate.reduction import Reduction
 
-_NEVER = 1 << 60  # pending count of a bucket that cannot become ready from hooks
+
+class SyncSwitch:
+    """Whether backwards average gradients; shared by a module's state and its reducers.
+
+    One fact, stored once: ``set_requires_gradient_sync`` flips it, every
+    reducer built for the module (also after a re-plan) reads it at backward.
+    """
+
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
 
 
-class Bucket:
-    """One flat gradient buffer and the parameters laid out in it."""
+class Learned(NamedTuple):
+    """What a reducer learned, handed to its successor on a re-plan.
 
-    def __init__(
-        self,
-        index: int,
-        spec: BucketSpec,
-        params: Sequence[nn.Parameter],
-        tail: int,
-        wire_dtype: Optional[torch.dtype],
-    ) -> None:
-        self.index = index  # position in the launch order
-        self.param_indices = spec.param_indices  # reducer indices, in buffer order
-        # The flat buffer: the gradients, then ``tail`` extra elements (the
-        # shared tail of [Note: one collective sequence], last bucket only).
-        self.buffer = torch.zeros(spec.numel + tail, dtype=spec.dtype, device=spec.device)
-        self.grads = self.buffer[: spec.numel]  # the gradient part, what comm hooks see
-        # What the collective reduces: the buffer itself, or a copy in the
-        # reduce dtype (replicate(reduce_dtype=...)), tail included.
-        self.wire = self.buffer
-        if wire_dtype is not None and wire_dtype != spec.dtype:
-            self.wire = torch.zeros(spec.numel + tail, dtype=wire_dtype, device=spec.device)
-        self.wire_grads = self.wire[: spec.numel]
-        self.tail = self.wire[spec.numel :]
-        self.views: list[torch.Tensor] = []  # per parameter, shaped like it
-        offset = 0
-        for index_ in spec.param_indices:
-            param = params[index_]
-            self.views.append(self.grads[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        self.work: Optional[dist.Work] = None  # default path: in-flight all-reduce
-        self.future: Optional[torch.futures.Future] = None  # comm hook path
-        self.hook_bucket: Optional[GradBucket] = None  # what the hook was given
+    Attributes:
+        expected: firings per backward, by ``id`` of the parameter (read
+            while those parameters are alive).
+        num_steps: synchronised backwards completed.
+    """
+
+    expected: dict[int, int]
+    num_steps: int
 
 
 class Reducer:
@@ -133,9 +101,10 @@ class Reducer:
         group: the process group to reduce over.
         bucket_cap_bytes: bucket size cap.
         first_bucket_cap_bytes: cap of the first bucket.
-        gradient_as_bucket_view: make ``p.grad`` a view into its bucket.
-        reduce_dtype: dtype gradients travel in; None: the parameters'.
-        gradient_divide_factor: divisor of the reduced sum; None: world size.
+        layout: where ``.grad`` lives (grad_layout.py).
+        reduction: how buckets are reduced (reduction.py); bound here.
+        sync: the module's gradient-sync switch.
+        learned: what the previous reducer of the module learned (a re-plan).
     """
 
     def __init__(
@@ -146,431 +115,227 @@ class Reducer:
         *,
         bucket_cap_bytes: int,
         first_bucket_cap_bytes: int,
-        gradient_as_bucket_view: bool,
-        reduce_dtype: Optional[torch.dtype] = None,
-        gradient_divide_factor: Optional[float] = None,
+        layout: GradLayout,
+        reduction: Reduction,
+        sync: SyncSwitch,
+        learned: Optional[Learned] = None,
     ) -> None:
-        self.params = list(params)  # the reduced parameters
-        self.names = list(names)  # their FQNs
-        self._group = WeakGroup(group)  # process group of the collectives, held weakly
-        self.world_size = dist.get_world_size(group)
-        self.reduce_dtype = reduce_dtype  # wire dtype of the default path, None: as the params
-        self.divide_factor = float(gradient_divide_factor or self.world_size)  # sum / this
-        self.scale: Optional[float] = 1.0 / self.divide_factor  # None while a comm hook averages
-        # Per bucket, the scale as a 0-dim tensor in the multiply's math dtype:
-        # bitwise the same result as the Python float, without wrapping a
-        # scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply).
-        self.bucket_scale: list[Optional[torch.Tensor]] = []
-        self._divide_option = gradient_divide_factor  # as the user gave it
-        self.rank = dist.get_rank(group)  # for error messages
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.requires_sync = True  # False inside no_sync(): accumulate locally
-        self.num_steps = 0  # synchronised backwards completed
-        self.comm_hook: Optional[CommHook] = None  # user comm hook, if any
-        self.comm_hook_state: Any = None  # its state argument
-        self.hook_tail: Optional[torch.Tensor] = None  # the flags' own tensor when a hook runs
-        self.callback_queued = False  # finalise already queued for this backward
-        num_params = len(self.params)
-        self.num_params = num_params
-        self.expected = [0] * num_params  # learned firings per step ([Note: when is a parameter ready])
-        self.fired = [0] * num_params  # firings in this backward
-        self.late = False  # a gradient arrived after its bucket launched
-        self.late_anywhere = False  # some rank had a late gradient (read from the tail)
-        self.scaled = [False] * num_params  # slot holds grad * scale ([Note: the mean is taken on the way in])
-        self.saved_grads: list[Optional[torch.Tensor]] = [None] * num_params  # copy mode: .grad held aside
-        self.buckets: list[Bucket] = []
-        self.param_bucket: list[int] = [0] * num_params  # bucket of each parameter
-        self.param_view: list[Optional[torch.Tensor]] = [None] * num_params  # slot of each parameter
-        self.pending_start: list[int] = []  # per bucket: firings to wait for, at step start
-        self.pending: list[int] = []  # per bucket: firings still awaited
-        self.launched: list[bool] = []  # per bucket: launched in this backward
-        self.next_launch = 0  # lowest bucket index not launched yet
-        self.detached: list[int] = []  # buckets launched from hooks in this backward
-        self.num_scaled: list[int] = []  # per bucket: slots scaled on the way in, this backward
-        self.param_slots: list[tuple[nn.Parameter, torch.Tensor]] = []  # (param, its view)
-        self.tail_template: Optional[torch.Tensor] = None  # the tail of an ordinary step
-        self.hook_handles: list[Any] = []  # post-accumulate-grad hook handles
-        self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
-        self._install_hooks()
+        learned = learned or Learned({}, 0)
+        # - Configuration, fixed for the reducer's life
+        self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
+        self.layout = layout
+        self.sync = sync
+        self.slots = [ParamSlot(i, p, n, learned.expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names))]
+        self.buckets = self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
+        # - Reduction: how buckets travel; the flags ride with the last bucket
+        #   ([Note: one collective sequence]) or on their own (comm hooks)
+        self.reduction = reduction
+        self.flags = StepFlags(reduction.bind(self.buckets, num_flags(len(self.slots)), self._group), len(self.slots))
+        # - Across steps
+        self.num_steps = learned.num_steps  # synchronised backwards completed
+        # - Per step: replaced at the end of each synchronised backward
+        self.step = StepState(len(self.slots))
+        self._hook_handles = [
+            slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, slot))
+            for slot in self.slots
+        ]
+        layout.adopt(self.slots)
+
+    # -- derived facts -------------------------------------------------------
 
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group of the collectives."""
         return self._group.get()
 
-    # -- set-up ------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The reduced parameters, in registration order."""
+        return [slot.param for slot in self.slots]
 
-    def _build_buckets(self, cap_bytes: int, first_cap_bytes: int) -> None:
+    @property
+    def learned(self) -> Learned:
+        """What this reducer learned, for its successor after a re-plan."""
+        return Learned({id(slot.param): slot.expected for slot in self.slots}, self.num_steps)
+
+    # -- set-up ----------------------------------------------------------------
+
+    def _build_buckets(self, cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+        params = [slot.param for slot in self.slots]
         specs = plan_buckets(
-            [p.numel() for p in self.params],
-            [p.dtype for p in self.params],
-            [p.device for p in self.params],
+            [p.numel() for p in params],
+            [p.dtype for p in params],
+            [p.device for p in params],
             cap_bytes=cap_bytes,
             first_cap_bytes=first_cap_bytes,
         )
         last = len(specs) - 1
-        for index, spec in enumerate(specs):
-            tail = self.num_params + 1 if index == last else 0
-            bucket = Bucket(index, spec, self.params, tail, self.reduce_dtype)
-            self.buckets.append(bucket)
-            for param_index, view in zip(spec.param_indices, bucket.views):
-                self.param_bucket[param_index] = index
-                self.param_view[param_index] = view
-        self.launched = [False] * len(self.buckets)
-        self.num_scaled = [0] * len(self.buckets)
-        for bucket in self.buckets:
-            math_dtype = torch.float64 if bucket.buffer.dtype == torch.float64 else torch.float32
-            self.bucket_scale.append(torch.tensor(self.scale, dtype=math_dtype, device=bucket.buffer.device))
-        self.param_slots = list(zip(self.params, self.param_view))
-        tail = self.buckets[-1].tail
-        # An ordinary step: every parameter has a gradient here, nothing late.
-        self.tail_template = torch.ones_like(tail)
-        self.tail_template[self.num_params] = 0
-        self._recompute_pending()
-        self.pending = list(self.pending_start)
-        if self.gradient_as_bucket_view:
-            for param, view in zip(self.params, self.param_view):
-                if param.grad is not None:
-                    view.copy_(param.grad)
-                    param.grad = view
-
-    def _install_hooks(self) -> None:
-        for index, param in enumerate(self.params):
-            hook = functools.partial(self._on_grad_accumulated, index)
-            self.hook_handles.append(param.register_post_accumulate_grad_hook(hook))
-
-    def remove_hooks(self) -> None:
-        """Detaches the reducer from its parameters (before a re-plan)."""
-        for handle in self.hook_handles:
-            handle.remove()
-        self.hook_handles.clear()
-
-    def _recompute_pending(self) -> None:
-        self.pending_start = []
-        for bucket in self.buckets:
-            counts = [self.expected[i] for i in bucket.param_indices]
-            self.pending_start.append(_NEVER if 0 in counts else len(counts))
-
-    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        """Routes every bucket through ``hook(state, bucket)``; see comm_hooks.py."""
-        check_comm_hook(hook)
-        for option, value in (("reduce_dtype", self.reduce_dtype), ("gradient_divide_factor", self._divide_option)):
-            if value is not None:
-                raise ValueError(
-                    f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
-                    f"how gradients are reduced; drop {option} (the hook owns the wire format and "
-                    "the averaging, e.g. bf16_compress_hook)"
-                )
-        if self.comm_hook is not None:
-            raise RuntimeError(
-                "register_comm_hook(): a comm hook is already registered; it can be "
-                "registered only once"
+        return [
+            Bucket(
+                index,
+                [self.slots[i] for i in spec.param_indices],
+                spec.dtype,
+                spec.device,
+                extra=num_flags(len(self.slots)) if index == last else 0,
             )
+            for index, spec in enumerate(specs)
+        ]
+
+    def use_reduction(self, reduction: Reduction) -> None:
+        """Switches to another reduction (a comm hook registered); only before the first step.
+
+        Raises:
+            RuntimeError: a synchronised step already ran.
+        """
         if self.num_steps > 0:
             raise RuntimeError(
                 f"register_comm_hook(): training already ran {self.num_steps} synchronised "
                 "step(s); register the hook before the first backward"
             )
-        self.comm_hook = hook
-        self.comm_hook_state = state
-        self.scale = None  # the hook averages ([Note: the mean is taken on the way in])
-        self.bucket_scale = [None] * len(self.buckets)
-        last = self.buckets[-1]
-        self.hook_tail = torch.zeros(self.num_params + 1, dtype=torch.float32, device=last.buffer.device)
+        self.reduction = reduction
+        self.flags = StepFlags(reduction.bind(self.buckets, num_flags(len(self.slots)), self._group), len(self.slots))
+
+    def remove_hooks(self) -> None:
+        """Detaches the reducer from its parameters (before a re-plan)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
 
     # -- backward: the hot path --------------------------------------------
 
     def queue_finalize(self) -> None:
-        """Queues the end-of-backward work, once per backward."""
-        if not self.callback_queued and self.requires_sync:
-            self.callback_queued = True
+        """Queues the end-of-backward work, once per synchronised backward."""
+        step = self.step
+        if not step.finalize_queued and self.sync.on:
+            step.finalize_queued = True
             queue_end_of_backward_callback(self._finalize)
 
-    def _on_grad_accumulated(self, index: int, param: nn.Parameter) -> None:
+    @labelled("hook")
+    def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # Runs after every accumulation into param.grad: keep it short.
-        if not self.requires_sync:
-            if self.gradient_as_bucket_view and param.grad is not self.param_view[index]:
-                self._adopt_grad(index, param)
+        if not self.sync.on:
+            self.layout.keep_local(slot)
             return
-        if not self.callback_queued:
+        step = self.step
+        if not step.finalize_queued:
             self.queue_finalize()
-        fired = self.fired[index] + 1
-        self.fired[index] = fired
-        bucket_index = self.param_bucket[index]
-        if self.launched[bucket_index]:
-            self.late = True  # the fresh .grad is reduced by the late round
+        fired = step.fired[slot.index] + 1
+        step.fired[slot.index] = fired
+        if fired > slot.expected:
+            step.grew = True  # a count to learn at the end of the step
+        bucket = slot.bucket
+        if bucket.index < step.num_launched:
+            step.late = True  # the fresh .grad is reduced by the late round
             return
-        if self.gradient_as_bucket_view:
-            grad = param.grad
-            view = self.param_view[index]
-            if grad is not view:
-                scale = self.bucket_scale[bucket_index]
-                if scale is None:
-                    view.copy_(grad)
-                    param.grad = view
-                elif self.scaled[index]:
-                    view.add_(grad, alpha=self.scale)  # a further accumulation: fold it in
-                    param.grad = None
-                else:
-                    torch.mul(grad, scale, out=view)
-                    param.grad = None
-                    self.scaled[index] = True
-                    self.num_scaled[bucket_index] += 1
-        if fired == self.expected[index]:
-            pending = self.pending[bucket_index] - 1
-            self.pending[bucket_index] = pending
-            if pending == 0:
-                self._launch_ready()
+        self.layout.take(slot, step, self.reduction)
+        if fired == slot.expected:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready(step)
 
-    def _adopt_grad(self, index: int, param: nn.Parameter) -> None:
-        # .grad was set to None (zero_grad) or replaced: move it into the bucket
-        view = self.param_view[index]
-        view.copy_(param.grad)
-        param.grad = view
-
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, step: StepState) -> None:
         # Launch, in index order, every ready bucket but the last ([Note: one
         # collective sequence]).
         last = len(self.buckets) - 1
-        index = self.next_launch
-        while index < last and self.pending[index] == 0:
-            self._launch_from_hook(self.buckets[index])
-            index += 1
-        self.next_launch = index
+        while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
+            bucket = self.buckets[step.num_launched]
+            self.layout.detach(bucket, step, self.reduction)
+            self._launch(bucket, step)
 
-    def _launch_from_hook(self, bucket: Bucket) -> None:
-        # Every parameter here reached its expected count, so has a gradient.
-        # Detach .grad from the bucket ([Note: when is a parameter ready]).
-        params = self.params
-        if self.gradient_as_bucket_view:
-            for index in bucket.param_indices:
-                params[index].grad = None
-        else:
-            for index, view in zip(bucket.param_indices, bucket.views):
-                grad = params[index].grad
-                self._copy_in(grad, view, bucket.index)
-                self.saved_grads[index] = grad
-                params[index].grad = None
-        self.detached.append(bucket.index)
-        self._launch(bucket)
-
-    def _copy_in(self, grad: torch.Tensor, view: torch.Tensor, bucket_index: int) -> None:
-        # Copy mode: the copy into the slot is the scaling pass.
-        scale = self.bucket_scale[bucket_index]
-        if scale is None:
-            view.copy_(grad)
-        else:
-            torch.mul(grad, scale, out=view)
-
-    def _scale_in_place(self, bucket: Bucket) -> None:
-        # View mode: scale the slots not scaled on the way in.
-        done = self.num_scaled[bucket.index]
-        if done == len(bucket.param_indices):
-            return
-        scale = self.bucket_scale[bucket.index]
-        if done == 0:
-            bucket.grads.mul_(scale)
-            return
-        scaled = self.scaled
-        for index, view in zip(bucket.param_indices, bucket.views):
-            if not scaled[index]:
-                view.mul_(scale)
-
-    def _launch(self, bucket: Bucket) -> None:
-        self.launched[bucket.index] = True
-        is_last = bucket.index == len(self.buckets) - 1
-        if self.comm_hook is None:
-            if self.gradient_as_bucket_view:
-                self._scale_in_place(bucket)
-            if bucket.wire is not bucket.buffer:
-                bucket.wire_grads.copy_(bucket.grads)
-            bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
-            return
-        if bucket.index > 0:
-            # [Note: hooks run one bucket at a time]
-            self.buckets[bucket.index - 1].future.wait()
-        hook_bucket = GradBucket(
-            bucket.index,
-            is_last,
-            bucket.grads,
-            [self.params[i] for i in bucket.param_indices],
-            bucket.views,
-        )
-        bucket.hook_bucket = hook_bucket
-        bucket.future = self.comm_hook(self.comm_hook_state, hook_bucket)
-        # Duck-typed: Work.get_future() and Future.then() return torch's C++
-        # future type, of which torch.futures.Future is only a subclass.
-        if not callable(getattr(bucket.future, "wait", None)):
-            raise TypeError(
-                f"{self._where(bucket)}: comm hook: must return a torch.futures.Future, but for "
-                f"bucket {bucket.index} returned {type(bucket.future).__name__}"
-            )
+    @labelled("launch")
+    def _launch(self, bucket: Bucket, step: StepState) -> None:
+        assert bucket.index == step.num_launched, "buckets launch in index order"
+        step.num_launched += 1
+        self.reduction.finish_absorbing(bucket, step.absorbed)
+        try:
+            self.reduction.launch(bucket)
+        except (TypeError, ValueError) as error:
+            _raise_with_place(error, self._where(bucket))
 
     def _where(self, bucket: Bucket) -> str:
         # Rank, step and parameters, for errors a user must trace to a layer.
-        names = [self.names[i] for i in bucket.param_indices]
-        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        return f"replicate(): rank {self.rank}, step {self.num_steps}, bucket {bucket.index} ({shown})"
+        rank = dist.get_rank(self.group)
+        return f"replicate(): rank {rank}, step {self.num_steps}, bucket {bucket.index} ({bucket.describe()})"
 
     # -- end of backward ---------------------------------------------------
 
+    @labelled("finalize")
     @torch.no_grad()
     def _finalize(self) -> None:
-        self.callback_queued = False
+        step = self.step
         try:
-            self._finish_step()
+            self._finish_step(step)
         finally:
-            self._reset_step()
+            for bucket in self.buckets:
+                bucket.reset_step()
+            self.step = StepState(len(self.slots))
 
-    def _finish_step(self) -> None:
-        last = len(self.buckets) - 1
+    def _finish_step(self, step: StepState) -> None:
+        num_early = step.num_launched  # launched from hooks, .grad detached
         unused_here: list[int] = []
-        for bucket in self.buckets[self.next_launch :]:
-            self._fill_at_end(bucket, unused_here)
-            if bucket.index == last:
-                self._write_tail(bucket, unused_here)
-            self._launch(bucket)
+        for bucket in self.buckets[num_early:]:
+            for slot in bucket.slots:
+                if not self.layout.fill(slot, step, self.reduction):
+                    unused_here.append(slot.index)
+            if bucket is self.buckets[-1]:
+                self.flags.write(unused_here, step.late)
+            self._launch(bucket, step)
         for bucket in self.buckets:
             self._wait(bucket)
-        tail = self._tail()
-        if self.comm_hook is not None:
-            dist.all_reduce(tail, group=self.group)
-        unused_everywhere, any_late = self._read_tail(tail, unused_here)
-        self.late_anywhere = any_late
-        late_grads = self._restore_grads(unused_everywhere)
-        if any_late:
+        self.reduction.reduce_flags()
+        sums = self.flags.read(unused_here)
+        late_grads = self.layout.restore(self.buckets, step, sums, num_early)
+        if sums.any_late:
             self._reduce_late(late_grads)
-        self._learn_expected()
+        self._learn(step)
         self.num_steps += 1
 
-    def _fill_at_end(self, bucket: Bucket, unused_here: list[int]) -> None:
-        # Backward is over: make each slot hold this rank's contribution.
-        fired = self.fired
-        params = self.params
-        as_view = self.gradient_as_bucket_view
-        for index, view in zip(bucket.param_indices, bucket.views):
-            if as_view and fired[index]:
-                continue  # the hook already put .grad in the slot
-            grad = params[index].grad
-            if grad is None:
-                view.zero_()
-                unused_here.append(index)
-            elif as_view:
-                if grad is not view:
-                    view.copy_(grad)  # scaled with the bucket at launch
-            else:
-                self._copy_in(grad, view, bucket.index)
-
-    def _tail(self) -> torch.Tensor:
-        # Where this rank's flags travel ([Note: one collective sequence]).
-        return self.buckets[-1].tail if self.comm_hook is None else self.hook_tail
-
-    def _write_tail(self, bucket: Bucket, unused_here: list[int]) -> None:
-        tail = self._tail()
-        tail.copy_(self.tail_template)
-        if unused_here:
-            tail[torch.tensor(unused_here, device=tail.device)] = 0
-        if self.late:
-            tail[self.num_params] = 1
-
+    @labelled("wait")
     def _wait(self, bucket: Bucket) -> None:
-        if bucket.work is not None:
-            bucket.work.wait()
-            bucket.work = None
-            if bucket.wire is not bucket.buffer:
-                bucket.grads.copy_(bucket.wire_grads)
-            return
-        future, bucket.future = bucket.future, None
         try:
-            result = hook_result(future.wait(), bucket.hook_bucket)
+            self.reduction.wait(bucket)
         except (TypeError, ValueError) as error:
-            raise type(error)(f"{self._where(bucket)}: {error}") from None
-        bucket.hook_bucket = None
-        if result.data_ptr() != bucket.grads.data_ptr() or result.dtype != bucket.grads.dtype:
-            bucket.grads.copy_(result.reshape(-1))
+            _raise_with_place(error, self._where(bucket))
 
-    def _read_tail(self, tail: torch.Tensor, unused_here: list[int]) -> tuple[set[int], bool]:
-        # Same sums on every rank, hence the same decisions.
-        any_late = tail[self.num_params].item() > 0
-        if not unused_here:
-            return set(), any_late  # used here, so used somewhere
-        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
-        return {i for i, c in zip(unused_here, counts) if c == 0}, any_late
-
-    def _restore_grads(self, unused_everywhere: set[int]) -> dict[int, torch.Tensor]:
-        # Point every .grad at its reduced value; collect late local gradients.
-        late_grads: dict[int, torch.Tensor] = {}
-        params = self.params
-        as_view = self.gradient_as_bucket_view
-        if as_view and not unused_everywhere and not self.late_anywhere:
-            for param, view in self.param_slots:  # the ordinary step
-                param.grad = view
-            return late_grads
-        detached = set(self.detached)
-        for bucket in self.buckets:
-            was_detached = bucket.index in detached
-            for index, view in zip(bucket.param_indices, bucket.views):
-                param = params[index]
-                if was_detached:
-                    if param.grad is not None:
-                        late_grads[index] = param.grad
-                    if as_view:
-                        param.grad = view
-                    else:
-                        grad = self.saved_grads[index]
-                        self.saved_grads[index] = None
-                        grad.copy_(view)
-                        param.grad = grad
-                elif index in unused_everywhere:
-                    param.grad = None
-                elif as_view:
-                    if param.grad is not view:
-                        param.grad = view
-                elif param.grad is None:
-                    param.grad = view.clone()
-                else:
-                    param.grad.copy_(view)
-        return late_grads
-
-    def _reduce_late(self, late_grads: dict[int, torch.Tensor]) -> None:
+    @labelled("late_round")
+    def _reduce_late(self, late_grads: LateGrads) -> None:
         # One more agreed round: every rank sends its late gradients (zeros
         # where it has none), bucket by bucket, and adds their mean.
         for bucket in self.buckets:
             extra = torch.zeros_like(bucket.grads)
             pieces = []
             offset = 0
-            for index in bucket.param_indices:
-                param = self.params[index]
-                piece = extra[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
-                if index in late_grads:
-                    piece.copy_(late_grads[index])
+            for slot in bucket.slots:
+                piece = extra[offset : offset + slot.param.numel()].view_as(slot.param)
+                offset += slot.param.numel()
+                if slot.index in late_grads:
+                    piece.copy_(late_grads[slot.index])
                 pieces.append(piece)
             dist.all_reduce(extra, group=self.group)
-            extra.div_(self.divide_factor)
-            for index, piece in zip(bucket.param_indices, pieces):
+            extra.div_(self.reduction.divide_factor)
+            for slot, piece in zip(bucket.slots, pieces):
                 # A late gradient anywhere means the parameter was used there,
                 # so every rank now holds a .grad for it; None means unused
                 # everywhere, and nothing late can have arrived for it.
-                grad = self.params[index].grad
+                grad = slot.param.grad
                 if grad is not None:
                     grad.add_(piece)
 
-    def _learn_expected(self) -> None:
-        if self.fired == self.expected:
+    def _learn(self, step: StepState) -> None:
+        if not step.grew:
             return
-        learned = [max(a, b) for a, b in zip(self.expected, self.fired)]
-        if learned != self.expected:
-            self.expected = learned
-            self._recompute_pending()
+        changed = set()
+        for slot, fired in zip(self.slots, step.fired):
+            if fired > slot.expected:
+                slot.expected = fired
+                changed.add(slot.bucket.index)
+        for index in changed:
+            self.buckets[index].relearn()
 
-    def _reset_step(self) -> None:
-        self.fired = [0] * self.num_params
-        self.scaled = [False] * self.num_params
-        self.num_scaled = [0] * len(self.buckets)
-        self.pending = list(self.pending_start)
-        self.launched = [False] * len(self.buckets)
-        self.next_launch = 0
-        self.detached = []
-        self.late = False
 
+def _raise_with_place(error: Exception, where: str) -> None:
+    # A comm hook's protocol error, prefixed with where it happened. Only the
+    # plain types: a subclass may not take a single message argument.
+    if type(error) in (TypeError, ValueError):
+        raise type(error)(f"{where}: {error}") from None
+    raise error

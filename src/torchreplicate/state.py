@@ -17,7 +17,10 @@ from torch import nn
 
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.reducer import Reducer
+from torchreplicate.grad_layout import grad_layout
+from torchreplicate.profiling import labelled
+from torchreplicate.reducer import Learned, Reducer, SyncSwitch
+from torchreplicate.reduction import AllReduce, HookReduction, Reduction
 
 MiB = 1024 * 1024
 
@@ -55,11 +58,13 @@ class ReplicateState:
         # (owner, name) of replicated buffers; owners held weakly, as the root
         # is often one of them (see _module_ref).
         self._buffers: list[tuple[weakref.ref[nn.Module], str]] = []
+        # How gradients are reduced: from the options, or a registered comm
+        # hook. Kept here, so every reducer built for the module (also after a
+        # re-plan) uses the same one.
+        self.reduction: Reduction = AllReduce(config.reduce_dtype, config.gradient_divide_factor)
+        self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
-        self.requires_gradient_sync = True  # mirrors set_requires_gradient_sync()
-        self._comm_hook: Optional[tuple[Any, Any]] = None  # (state, hook) as registered
         self._checked_at_forward = False  # first forward re-checked the parameters
-        self._world_size = 1  # size of the group, resolved at init
         self._num_forwards = 0  # forwards of the root so far
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -92,7 +97,12 @@ class ReplicateState:
     @property
     def world_size(self) -> int:
         """Number of ranks in the process group."""
-        return self._world_size
+        return dist.get_world_size(self.group)
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """Whether backwards average gradients (``set_requires_gradient_sync``)."""
+        return self.sync.on
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """See ``ReplicateModule.set_requires_gradient_sync``."""
@@ -101,13 +111,29 @@ class ReplicateState:
                 "set_requires_gradient_sync(): expected a bool, got "
                 f"{type(requires_gradient_sync).__name__}"
             )
-        self.requires_gradient_sync = requires_gradient_sync
-        if self.reducer is not None:
-            self.reducer.requires_sync = requires_gradient_sync
+        self.sync.on = requires_gradient_sync
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """See ``ReplicateModule.register_comm_hook``."""
-        if self.reducer is None and self.params:
+        reduction = HookReduction(state, hook)  # checks the hook's signature
+        for option in ("reduce_dtype", "gradient_divide_factor"):
+            value = getattr(self.config, option)
+            if value is not None:
+                raise ValueError(
+                    f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
+                    f"how gradients are reduced; drop {option} (the hook owns the wire format and "
+                    "the averaging, e.g. bf16_compress_hook)"
+                )
+        if isinstance(self.reduction, HookReduction):
+            raise RuntimeError(
+                "register_comm_hook(): a comm hook is already registered; it can be registered only once"
+            )
+        if not self.params:
+            raise RuntimeError(
+                "register_comm_hook(): this module has no replicated parameters "
+                "(all ignored, frozen or managed by fully_shard)"
+            )
+        if self.reducer is None:
             # World size 1 runs no reducer until a hook asks for one; it cannot
             # have counted backwards, so forwards stand in for them.
             if self._num_forwards:
@@ -116,14 +142,11 @@ class ReplicateState:
                     "register the hook before the first backward (at world size 1: before the "
                     "first forward)"
                 )
+            self.reduction = reduction
             self.reducer = self._build_reducer()
-        if self.reducer is None:
-            raise RuntimeError(
-                "register_comm_hook(): this module has no replicated parameters "
-                "(all ignored, frozen or managed by fully_shard)"
-            )
-        self.reducer.register_comm_hook(state, hook)
-        self._comm_hook = (state, hook)
+        else:
+            self.reducer.use_reduction(reduction)
+            self.reduction = reduction
 
     def remove_hooks(self) -> None:
         """Removes every hook ``replicate()`` installed (forward and gradient)."""
@@ -150,10 +173,11 @@ class ReplicateState:
                 "torchreplicate.launcher set up its environment)"
             )
         self._group = self._given_group or WeakGroup(dist.group.WORLD)
-        self._world_size = dist.get_world_size(self.group)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
-        if self.reducer is not None:
+        learned: Optional[Learned] = None
+        if self.reducer is not None:  # a re-plan keeps what the reducer learned
+            learned = self.reducer.learned
             self.reducer.remove_hooks()
             self.reducer = None
         names, params = self._collect_params()
@@ -163,24 +187,21 @@ class ReplicateState:
         verify_params_across_ranks(names, params, self.group, device)
         if self.world_size > 1:
             broadcast_coalesced([p.detach() for p in params] + self._buffer_values(), self.group)
-        if params and (self.world_size > 1 or self._comm_hook is not None):
-            self.reducer = self._build_reducer()
-            if self._comm_hook is not None:
-                self.reducer.register_comm_hook(*self._comm_hook)
+        if params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
+            self.reducer = self._build_reducer(learned)
 
-    def _build_reducer(self) -> Reducer:
-        reducer = Reducer(
+    def _build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
+        return Reducer(
             self.params,
             self._param_names,
             self.group,
             bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
-            gradient_as_bucket_view=self.config.gradient_as_bucket_view,
-            reduce_dtype=self.config.reduce_dtype,
-            gradient_divide_factor=self.config.gradient_divide_factor,
+            layout=grad_layout(self.config.gradient_as_bucket_view),
+            reduction=self.reduction,
+            sync=self.sync,
+            learned=learned,
         )
-        reducer.requires_sync = self.requires_gradient_sync
-        return reducer
 
     def _skipped_modules(self) -> list[nn.Module]:
         skipped = list(self.config.ignored_modules)
@@ -219,6 +240,7 @@ class ReplicateState:
 
     # -- forward hooks -------------------------------------------------------
 
+    @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self._num_forwards += 1
         if not self._checked_at_forward:
@@ -241,6 +263,7 @@ class ReplicateState:
         for (owner, name), tensor in zip(self._buffers, fresh):
             setattr(owner(), name, tensor)
 
+    @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         reducer = self.reducer
         if reducer is None or not torch.is_grad_enabled():

@@ -1,0 +1,130 @@
+"""Flat gradient buckets, the parameter slots laid out in them, and per-step state.
+
+A ``Bucket`` is one flat buffer that travels in one collective; each
+``ParamSlot`` is one reduced parameter and the view of the bucket that holds
+its gradient. Both keep their facts grouped by lifetime: the layout (fixed
+for the reducer's life), what was learned across steps, and per-step state
+that ``reset_step`` restores. ``StepState`` holds the per-parameter facts of
+one synchronised backward; the reducer replaces it at the end of each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+NEVER = 1 << 60  # firings a bucket waits for when it cannot become ready from hooks
+
+
+class ParamSlot:
+    """One reduced parameter and its place in a bucket.
+
+    Args:
+        index: position in the reducer's parameter list (and in the flags).
+        param: the parameter.
+        name: its fully qualified name, for error messages.
+        expected: firings per synchronised backward learned so far (a
+            re-plan carries it over from the previous reducer).
+    """
+
+    __slots__ = ("index", "param", "name", "bucket", "view", "expected")
+
+    def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:
+        # - Layout: fixed once the buckets are built
+        self.index = index
+        self.param = param
+        self.name = name
+        self.bucket: Bucket  # set by Bucket.__init__
+        self.view: torch.Tensor  # this parameter's gradient in the bucket, shaped like it
+        # - Learned across synchronised backwards: how many accumulations into
+        #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
+        self.expected = expected
+
+
+class Bucket:
+    """One flat gradient buffer and the slots laid out in it.
+
+    Args:
+        index: position in the launch order.
+        slots: the parameters, in buffer order; each gets its ``bucket`` and ``view``.
+        dtype: dtype of every gradient in the bucket.
+        device: device of every gradient in the bucket.
+        extra: elements reserved after the gradients (the flags' room, last
+            bucket only: [Note: one collective sequence] in reducer.py).
+    """
+
+    def __init__(
+        self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device, extra: int = 0
+    ) -> None:
+        # - Layout
+        self.index = index
+        self.slots = list(slots)
+        numel = sum(slot.param.numel() for slot in self.slots)
+        self.buffer = torch.zeros(numel + extra, dtype=dtype, device=device)  # gradients, then `extra`
+        self.grads = self.buffer[:numel]  # the gradient part: what comm hooks and the late round see
+        offset = 0
+        for slot in self.slots:
+            slot.bucket = self
+            slot.view = self.grads[offset : offset + slot.param.numel()].view_as(slot.param)
+            offset += slot.param.numel()
+        # - Learned: firings to wait for before launching from a hook, derived
+        #   from the slots' expected counts; cached because the hook reads it
+        self.num_to_wait = self._count_waits()
+        # - Per step (reset_step)
+        self.pending = self.num_to_wait  # firings still awaited in this backward
+        self.num_absorbed = 0  # slots holding their contribution as the reduction wants it
+        self.in_flight: Any = None  # what the reduction launched, until it is waited for
+
+    @property
+    def numel(self) -> int:
+        """Number of gradient elements (the flags' room excluded)."""
+        return self.grads.numel()
+
+    def relearn(self) -> None:
+        """Recomputes ``num_to_wait`` after the slots' expected counts changed."""
+        self.num_to_wait = self._count_waits()
+
+    def reset_step(self) -> None:
+        """Forgets the per-step state at the end of a synchronised backward."""
+        self.pending = self.num_to_wait
+        self.num_absorbed = 0
+        self.in_flight = None
+
+    def describe(self) -> str:
+        """The bucket's first parameter names, for error messages."""
+        names = [slot.name for slot in self.slots]
+        shown = ", ".join(repr(n) for n in names[:3])
+        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    def _count_waits(self) -> int:
+        if any(slot.expected == 0 for slot in self.slots):
+            return NEVER  # a parameter not seen yet: only the end of backward launches it
+        return len(self.slots)
+
+
+class StepState:
+    """Per-parameter facts of one synchronised backward; replaced at its end.
+
+    Args:
+        num_params: number of reduced parameters.
+    """
+
+    __slots__ = ("fired", "grew", "absorbed", "held", "num_launched", "late", "finalize_queued")
+
+    def __init__(self, num_params: int) -> None:
+        self.fired = [0] * num_params  # accumulations into .grad seen, per parameter
+        self.grew = False  # some parameter fired more often than learned so far
+        # per parameter: its slot holds its contribution as the reduction wants
+        # it (scaled on the way in), so nothing is left to do before launch
+        self.absorbed = [False] * num_params
+        self.held: dict[int, torch.Tensor] = {}  # copy layout: .grad set aside while its bucket is in flight
+        self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
+        self.late = False  # a gradient arrived after its bucket was launched
+        self.finalize_queued = False  # the end-of-backward work is queued
+
+    def is_launched(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` was launched in this backward (buckets launch in index order)."""
+        return bucket.index < self.num_launched
+

@@ -1,0 +1,172 @@
+"""Where ``.grad`` lives: a view into its bucket, or a tensor of its own.
+
+``ViewLayout`` (``gradient_as_bucket_view=True``, the default) keeps every
+``.grad`` a view of its slot between steps, so gradients take no memory
+beyond the buckets. ``CopyLayout`` keeps ``.grad`` separate and copies it
+into the slot at launch and back after the reduction. The reducer calls the
+same methods on either, at the same points of a step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from torchreplicate.bucket import Bucket, ParamSlot, StepState
+from torchreplicate.flags import FlagSums
+from torchreplicate.reduction import Reduction
+
+LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
+
+
+class GradLayout:
+    """The interface; see the two implementations."""
+
+    def adopt(self, slots: Sequence[ParamSlot]) -> None:
+        """At set-up: takes over the ``.grad`` the parameters already have."""
+
+    def keep_local(self, slot: ParamSlot) -> None:
+        """After an accumulation with gradient sync off (``no_sync``)."""
+
+    def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
+        """After an accumulation in a synchronised backward, before the bucket left."""
+
+    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+        """At a launch from a hook: frees ``.grad`` from the bucket in flight.
+
+        Every slot of ``bucket`` reached its expected count, so each has a
+        gradient. A further accumulation then lands in a fresh ``.grad``,
+        which the late round reduces ([Note: when is a parameter ready]).
+        """
+        raise NotImplementedError
+
+    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
+        """At the end of backward, for a bucket not launched yet: makes the slot hold
+        this rank's contribution. Returns whether this rank has a gradient for it."""
+        raise NotImplementedError
+
+    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+        """After the reduction: points every ``.grad`` at its average; returns the late gradients.
+
+        ``num_early`` buckets (a prefix) were launched from hooks, so their
+        parameters' ``.grad`` were detached and may hold late gradients.
+        """
+        raise NotImplementedError
+
+
+def _mark_absorbed(slot: ParamSlot, step: StepState) -> None:
+    step.absorbed[slot.index] = True
+    slot.bucket.num_absorbed += 1
+
+
+class ViewLayout(GradLayout):
+    """``.grad`` is its slot's view whenever no backward is running."""
+
+    def adopt(self, slots: Sequence[ParamSlot]) -> None:
+        for slot in slots:
+            if slot.param.grad is not None:
+                slot.view.copy_(slot.param.grad)
+                slot.param.grad = slot.view
+
+    def keep_local(self, slot: ParamSlot) -> None:
+        # .grad was set to None (zero_grad) or replaced: move it into the bucket
+        param = slot.param
+        if param.grad is not slot.view:
+            slot.view.copy_(param.grad)
+            param.grad = slot.view
+
+    def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
+        param = slot.param
+        grad = param.grad
+        if grad is slot.view:
+            return  # accumulated in place: finish_absorbing handles it at launch
+        if step.absorbed[slot.index]:
+            reduction.fold(grad, slot)  # a further accumulation in this backward
+        else:
+            reduction.absorb(grad, slot)
+            _mark_absorbed(slot, step)
+        param.grad = None
+
+    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+        for slot in bucket.slots:
+            slot.param.grad = None
+
+    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
+        if step.fired[slot.index]:
+            return True  # take() already put it in the slot
+        grad = slot.param.grad
+        if grad is None:
+            slot.view.zero_()
+            return False
+        if grad is not slot.view:
+            slot.view.copy_(grad)  # brought to the absorbed form with the bucket at launch
+        return True
+
+    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+        late: LateGrads = {}
+        if not sums.unused_everywhere and not sums.any_late:
+            for bucket in buckets:  # the ordinary step
+                for slot in bucket.slots:
+                    slot.param.grad = slot.view
+            return late
+        for bucket in buckets:
+            early = bucket.index < num_early
+            for slot in bucket.slots:
+                param = slot.param
+                if early:
+                    if param.grad is not None:
+                        late[slot.index] = param.grad
+                    param.grad = slot.view
+                elif slot.index in sums.unused_everywhere:
+                    param.grad = None
+                elif param.grad is not slot.view:
+                    param.grad = slot.view
+        return late
+
+
+class CopyLayout(GradLayout):
+    """``.grad`` is a tensor of its own: copied in at launch, the average copied back."""
+
+    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+        for slot in bucket.slots:
+            grad = slot.param.grad
+            reduction.absorb(grad, slot)  # the copy into the slot is the scaling pass
+            _mark_absorbed(slot, step)
+            step.held[slot.index] = grad
+            slot.param.grad = None
+
+    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
+        grad = slot.param.grad
+        if grad is None:
+            slot.view.zero_()
+            _mark_absorbed(slot, step)
+            return False
+        reduction.absorb(grad, slot)
+        _mark_absorbed(slot, step)
+        return True
+
+    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+        late: LateGrads = {}
+        for bucket in buckets:
+            early = bucket.index < num_early
+            for slot in bucket.slots:
+                param = slot.param
+                if early:
+                    if param.grad is not None:
+                        late[slot.index] = param.grad
+                    held = step.held.pop(slot.index)
+                    held.copy_(slot.view)
+                    param.grad = held
+                elif slot.index in sums.unused_everywhere:
+                    param.grad = None
+                elif param.grad is None:
+                    param.grad = slot.view.clone()
+                else:
+                    param.grad.copy_(slot.view)
+        return late
+
+
+def grad_layout(gradient_as_bucket_view: bool) -> GradLayout:
+    """The layout ``replicate(gradient_as_bucket_view=...)`` asks for."""
+    return ViewLayout() if gradient_as_bucket_view else CopyLayout()
