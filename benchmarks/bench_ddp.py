@@ -69,8 +69,8 @@ GPT_VOCAB = 8192
 
 def build_model(name: str):
     import torch
-    from torch import nn
     import torch.nn.functional as F
+    from torch import nn
 
     if name == "mlp":
         layers: list = []
@@ -307,7 +307,7 @@ def _count_collectives(engine: Engine, batch, steps: int = 2) -> dict:
             result["ddp_logging"] = {
                 k: data.get(k) for k in ("rebuilt_bucket_sizes", "num_buckets_reduced", "bucket_cap_bytes")
             }
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             result["ddp_logging"] = f"unavailable: {error!r}"
     return result
 
@@ -322,9 +322,16 @@ _WIRE_FUNCTIONS = {
     "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
 }
 _PROFILER_DTYPES = {
-    "float": "float32", "double": "float64", "c10::BFloat16": "bfloat16", "c10::Half": "float16",
-    "long int": "int64", "int": "int32", "short int": "int16", "signed char": "int8",
-    "unsigned char": "uint8", "bool": "bool",
+    "float": "float32",
+    "double": "float64",
+    "c10::BFloat16": "bfloat16",
+    "c10::Half": "float16",
+    "long int": "int64",
+    "int": "int32",
+    "short int": "int16",
+    "signed char": "int8",
+    "unsigned char": "uint8",
+    "bool": "bool",
 }
 
 
@@ -366,7 +373,7 @@ def count_wire(step: Callable[[], None], steps: int = 2) -> dict:
         for dim in shape:
             numel *= dim
         dtypes = getattr(event, "input_dtypes", None) or ["?"]
-        profiled.append((event.name[len("gloo:"):], numel, _PROFILER_DTYPES.get(dtypes[0], dtypes[0])))
+        profiled.append((event.name[len("gloo:") :], numel, _PROFILER_DTYPES.get(dtypes[0], dtypes[0])))
 
     calls: list = []
     originals = {name: getattr(dist, name) for name in _WIRE_FUNCTIONS if hasattr(dist, name)}
@@ -402,8 +409,17 @@ def count_wire(step: Callable[[], None], steps: int = 2) -> dict:
         else:
             profiler_only.append(event)
     merged = calls + profiler_only
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world, "broadcast": 1.0}
-    item = {name: torch.empty((), dtype=getattr(torch, name)).element_size() for name in set(c[2] for c in merged) if hasattr(torch, name)}
+    factor = {
+        "all_reduce": 2 * (world - 1) / world,
+        "all_gather": world - 1,
+        "reduce_scatter": (world - 1) / world,
+        "broadcast": 1.0,
+    }
+    item = {
+        name: torch.empty((), dtype=getattr(torch, name)).element_size()
+        for name in set(c[2] for c in merged)
+        if hasattr(torch, name)
+    }
     payload = sum(n * item.get(dt, 4) for _, n, dt in merged) / steps
     sent = sum(n * item.get(dt, 4) * factor.get(op, 1.0) for op, n, dt in merged) / steps
     by_op: dict = defaultdict(int)
@@ -576,7 +592,10 @@ def _instrument_ours(model_name: str, batch, steps: int, kind: str = "ours") -> 
     launches_in_hooks = calls.get("_launch_in_hook", 0.0)
     # calls nested in the hook: their wrappers' cost is in the hook's exclusive time
     nested_in_hook = sum(v for k, v in calls.items() if k.endswith("_in_hook"))
-    nested_in_finalize = sum(calls.get(k, 0.0) for k in REDUCER_METHODS if k not in ("_on_grad_accumulated", "_finalize")) - nested_in_hook
+    nested_in_finalize = (
+        sum(calls.get(k, 0.0) for k in REDUCER_METHODS if k not in ("_on_grad_accumulated", "_finalize"))
+        - nested_in_hook
+    )
 
     # The copy of a fresh .grad into its slot may be inlined in the hook
     # (not a wrapped method): estimate it from a micro-benchmark of the same
@@ -615,7 +634,9 @@ def _instrument_ours(model_name: str, batch, steps: int, kind: str = "ours") -> 
         return {
             "hook_exclusive_us_per_call": hook_excl / hook_calls * 1e6 if hook_calls else None,
             "hook_bookkeeping_us_per_call": bookkeeping / hook_calls * 1e6 if hook_calls else None,
-            "hook_exclusive_raw_us_per_call": e.get("_on_grad_accumulated", 0.0) / hook_calls * 1e6 if hook_calls else None,
+            "hook_exclusive_raw_us_per_call": e.get("_on_grad_accumulated", 0.0) / hook_calls * 1e6
+            if hook_calls
+            else None,
             "copy_ms": (adopt + copy_in_hook) * 1e3,
             "copy_is_estimate": bool(copy_in_hook),
             "launch_in_hooks_ms": launch_hooks * 1e3,
@@ -848,7 +869,15 @@ def _summary(values: list[float]) -> dict:
     }
 
 
-RATIO_PAIRS = (("ours", "ddp"), ("ours", "ddp_gbv"), ("ours", "local"), ("ddp", "local"), ("ddp_gbv", "ddp"), ("reducer", "local"), ("noop_hooks", "local"))
+RATIO_PAIRS = (
+    ("ours", "ddp"),
+    ("ours", "ddp_gbv"),
+    ("ours", "local"),
+    ("ddp", "local"),
+    ("ddp_gbv", "ddp"),
+    ("reducer", "local"),
+    ("noop_hooks", "local"),
+)
 
 
 def per_round_ratios(round_step: dict[str, list[float]], pairs) -> dict:
@@ -875,9 +904,15 @@ def aggregate_timing(rank_outputs: list[dict], pairs=RATIO_PAIRS) -> dict:
         round_step: dict[str, list[float]] = {}
         for kind in kinds:
             # block time per step, slowest rank: the step a data-parallel job sees
-            per_round = [max(rk["block_s"][kind][i] for rk in ranks) / m0["steps_per_block"] for i in range(m0["rounds"])]
+            per_round = [
+                max(rk["block_s"][kind][i] for rk in ranks) / m0["steps_per_block"] for i in range(m0["rounds"])
+            ]
             round_step[kind] = per_round
-            steps = [max(rk["per_step_s"][kind][i][j] for rk in ranks) for i in range(m0["rounds"]) for j in range(m0["steps_per_block"])]
+            steps = [
+                max(rk["per_step_s"][kind][i][j] for rk in ranks)
+                for i in range(m0["rounds"])
+                for j in range(m0["steps_per_block"])
+            ]
             engines[kind] = {
                 "step_ms": _summary([v * 1e3 for v in per_round]),
                 "single_step_ms": _summary([v * 1e3 for v in steps]),
@@ -888,7 +923,8 @@ def aggregate_timing(rank_outputs: list[dict], pairs=RATIO_PAIRS) -> dict:
             # training-thread CPU time per step (mean over ranks): excludes
             # waiting and time other processes took the core
             round_cpu[kind] = [
-                statistics.mean(rk["cpu_block_s"][kind][i] for rk in ranks) / m0["steps_per_block"] for i in range(m0["rounds"])
+                statistics.mean(rk["cpu_block_s"][kind][i] for rk in ranks) / m0["steps_per_block"]
+                for i in range(m0["rounds"])
             ]
             engines[kind]["cpu_step_ms"] = _summary([v * 1e3 for v in round_cpu[kind]])
         ratios = per_round_ratios(round_step, pairs)
@@ -919,7 +955,9 @@ def aggregate_timing(rank_outputs: list[dict], pairs=RATIO_PAIRS) -> dict:
         if "collectives" in m0:
             result["collectives"] = m0["collectives"]
         if "reducer_breakdown" in m0:
-            result["reducer_breakdown"] = {f"rank{r['rank']}": r["models"][model_name]["reducer_breakdown"] for r in rank_outputs}
+            result["reducer_breakdown"] = {
+                f"rank{r['rank']}": r["models"][model_name]["reducer_breakdown"] for r in rank_outputs
+            }
         models[model_name] = result
     return models
 
@@ -928,7 +966,7 @@ def aggregate_memory(rank_outputs: list[dict]) -> dict:
     models = {}
     for model_name, m0 in rank_outputs[0]["models"].items():
         res = {"model_param_mib": m0["_model_param_kib"] / 1024}
-        for kind, v in m0.items():
+        for kind in m0:
             if kind.startswith("_"):
                 continue
             per_rank = [r["models"][model_name][kind] for r in rank_outputs]
@@ -957,9 +995,13 @@ def markdown_tables(report: dict) -> str:
     mem = report.get("memory", {})
     if not ws2:
         lines.append("(world-size-2 phase skipped)")
-    lines.append("**World size 2** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))")
+    lines.append(
+        "**World size 2** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))"
+    )
     lines.append("")
-    lines.append("| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv | exposed comm ms DDP / gbv / ours |")
+    lines.append(
+        "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv | exposed comm ms DDP / gbv / ours |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for name, m in ws2.items():
         e = m["engines"]
@@ -972,11 +1014,15 @@ def markdown_tables(report: dict) -> str:
             f"| {x['ddp']:.2f} / {x['ddp_gbv']:.2f} / {x['ours']:.2f} |"
         )
     lines.append("")
-    lines.append("**Communication and memory** (world size 2; all-reduces and payload per step per rank from torch.profiler 'gloo:all_reduce' events; "
-                 "sent = ring estimate 2(W-1)/W x payload; memory in MiB over the RSS of the bare model, largest rank: steady peak (after 3 steps) "
-                 "[peak incl. wrapping and first 3 steps] {held between steps})")
+    lines.append(
+        "**Communication and memory** (world size 2; all-reduces and payload per step per rank from torch.profiler 'gloo:all_reduce' events; "
+        "sent = ring estimate 2(W-1)/W x payload; memory in MiB over the RSS of the bare model, largest rank: steady peak (after 3 steps) "
+        "[peak incl. wrapping and first 3 steps] {held between steps})"
+    )
     lines.append("")
-    lines.append("| model | all-reduces/step DDP / gbv / ours | payload MiB/step DDP / ours | est. sent MiB/rank/step | peak RSS +MiB local / DDP / gbv / ours | params MiB |")
+    lines.append(
+        "| model | all-reduces/step DDP / gbv / ours | payload MiB/step DDP / ours | est. sent MiB/rank/step | peak RSS +MiB local / DDP / gbv / ours | params MiB |"
+    )
     lines.append("|---|---|---|---|---|---|")
     for name, m in ws2.items():
         c = m.get("collectives", {})
@@ -1002,10 +1048,14 @@ def markdown_tables(report: dict) -> str:
         )
     if ws1:
         lines.append("")
-        lines.append("**World size 1** (ours = replicate() defaults; reducer = our Reducer forced on the 1-rank group; noop = one empty Python hook per parameter; "
-                     "+µs/tensor = median over rounds of (engine - local) per step / tensors, on training-thread CPU time [wall time])")
+        lines.append(
+            "**World size 1** (ours = replicate() defaults; reducer = our Reducer forced on the 1-rank group; noop = one empty Python hook per parameter; "
+            "+µs/tensor = median over rounds of (engine - local) per step / tensors, on training-thread CPU time [wall time])"
+        )
         lines.append("")
-        lines.append("| model | local ms | ours ms | ours/local | DDP ms | reducer ms | +µs/tensor CPU [wall]: DDP / reducer / noop hooks |")
+        lines.append(
+            "| model | local ms | ours ms | ours/local | DDP ms | reducer ms | +µs/tensor CPU [wall]: DDP / reducer / noop hooks |"
+        )
         lines.append("|---|---|---|---|---|---|---|")
         for name, m in ws1.items():
             e = m["engines"]
@@ -1025,13 +1075,17 @@ def markdown_tables(report: dict) -> str:
     rows = [(name, m["reducer_breakdown"]) for name, m in ws2.items() if "reducer_breakdown" in m]
     if rows:
         lines.append("")
-        lines.append("**Our reducer, instrumented** (world size 2, rank 0, separate untimed pass with timing wrappers, wrapper cost subtracted; "
-                     "thread CPU time unless noted; ms per step unless noted. hook = `_on_grad_accumulated` per call, without nested wrapped calls (launch); "
-                     "copy = moving fresh grads into their slots (`_adopt_grad` if called, else a micro-benchmark estimate, marked ~); bookkeeping = hook - copy; "
-                     "launch = issuing all_reduce (from hooks / at the end); scale = `_scale_in_place`; wait = wall time in `_wait`; "
-                     "finalize other = end-of-backward work besides launch, scale and wait; 1 pass = one mul_ over all buckets, for scale)")
+        lines.append(
+            "**Our reducer, instrumented** (world size 2, rank 0, separate untimed pass with timing wrappers, wrapper cost subtracted; "
+            "thread CPU time unless noted; ms per step unless noted. hook = `_on_grad_accumulated` per call, without nested wrapped calls (launch); "
+            "copy = moving fresh grads into their slots (`_adopt_grad` if called, else a micro-benchmark estimate, marked ~); bookkeeping = hook - copy; "
+            "launch = issuing all_reduce (from hooks / at the end); scale = `_scale_in_place`; wait = wall time in `_wait`; "
+            "finalize other = end-of-backward work besides launch, scale and wait; 1 pass = one mul_ over all buckets, for scale)"
+        )
         lines.append("")
-        lines.append("| model | buckets (from hooks) | hook µs/call | copy ms | bookkeeping µs/call | launch ms hooks / end | scale ms | finalize other ms | _restore_grads ms | wait ms (wall) | 1 pass ms | bookkeeping µs/tensor |")
+        lines.append(
+            "| model | buckets (from hooks) | hook µs/call | copy ms | bookkeeping µs/call | launch ms hooks / end | scale ms | finalize other ms | _restore_grads ms | wait ms (wall) | 1 pass ms | bookkeeping µs/tensor |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, b in rows:
             b = b.get("rank0", next(iter(b.values())))
@@ -1060,7 +1114,13 @@ def plot(report: dict, path: str) -> None:
     for name, m in report.get("world_size_2", {}).items():
         for key, label in (("ours/ddp", "ours/DDP"), ("ours/ddp_gbv", "ours/DDP-gbv")):
             if key in m["ratios"]:
-                series.append((f"{name}\n{label}", m["ratios"][key]["per_round"], "tab:blue" if key == "ours/ddp" else "tab:orange"))
+                series.append(
+                    (
+                        f"{name}\n{label}",
+                        m["ratios"][key]["per_round"],
+                        "tab:blue" if key == "ours/ddp" else "tab:orange",
+                    )
+                )
     for name, m in report.get("world_size_1", {}).items():
         if "ours/local" in m["ratios"]:
             series.append((f"{name}\nws1 ours/local", m["ratios"]["ours/local"]["per_round"], "tab:green"))
@@ -1076,7 +1136,9 @@ def plot(report: dict, path: str) -> None:
     ax.axhline(0.95, color="red", lw=1, ls="--", label="target 0.95 (vs DDP)")
     ax.axhline(1.03, color="green", lw=1, ls=":", label="target 1.03 (ws1 vs local)")
     ax.set_ylabel("step time ratio (per round)")
-    ax.set_title(f"replicate() vs DDP, gloo CPU, {report['world_size']} ranks x 1 thread (box IQR, whiskers min-max)", fontsize=9)
+    ax.set_title(
+        f"replicate() vs DDP, gloo CPU, {report['world_size']} ranks x 1 thread (box IQR, whiskers min-max)", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -1132,7 +1194,10 @@ def run_header(report: dict) -> str:
     """One line for the markdown: what was measured, where, under what load."""
     env = report.get("env", {})
     src = env.get("source", {})
-    commit = src.get("snapshot_commit") or (env.get("git", {}).get("head", "?") + ("" if not env.get("git", {}).get("src_status") else " + uncommitted src/"))
+    commit = src.get("snapshot_commit") or (
+        env.get("git", {}).get("head", "?")
+        + ("" if not env.get("git", {}).get("src_status") else " + uncommitted src/")
+    )
     where = "git-archive snapshot" if src.get("snapshot_commit") else "working tree"
     load = lambda v: "/".join(f"{x:.2f}" for x in v) if v else "?"  # noqa: E731
     return (
@@ -1151,6 +1216,7 @@ ROUNDS_METHOD = {
 def run_env(**extra: Any) -> dict:
     """What a report records at the start of a run: torch, Python, CPUs, git, load; plus ``extra``."""
     import torch
+
     import torchreplicate
 
     return {
@@ -1169,7 +1235,7 @@ def git_info() -> dict:
     def run(*args):
         try:
             return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return ""
 
     return {"head": run("rev-parse", "HEAD"), "src_status": run("status", "--porcelain", "--", "src")}
@@ -1182,8 +1248,12 @@ def git_info() -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model (default 40; quick 4)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)"
+    )
+    parser.add_argument(
+        "--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 5; quick 3)")
     parser.add_argument("--quick", action="store_true", help="short smoke run (~1-2 min)")
     parser.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma list from {MODEL_NAMES}")
@@ -1192,7 +1262,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-ws1", action="store_true", help="skip the world-size-1 phase")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     parser.add_argument("--no-instrument", action="store_true", help="skip the instrumented reducer pass")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder (default benchmarks/results)")
+    parser.add_argument(
+        "--out", default=os.path.join(HERE, "results"), help="output folder (default benchmarks/results)"
+    )
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
@@ -1200,8 +1272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torchreplicate  # noqa: F401
     except ImportError:  # run from a checkout without installing
         sys.path.insert(0, os.path.join(REPO, "src"))
-    from torchreplicate.launcher import launch
     import torchreplicate
+    from torchreplicate.launcher import launch
 
     models = [m for m in args.models.split(",") if m]
     for m in models:
@@ -1252,8 +1324,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["env"]["torchreplicate_file_in_ranks"] = out[0].get("torchreplicate_file")
         report["world_size_2"] = aggregate_timing(out)
     if not args.no_ws1:
-        ws1_cfg = {**cfg, "engines": list(ENGINES_WS1), "rounds": max(3, rounds // 2) if not quick else 3, "count": False,
-                   "instrument": cfg["instrument"]}
+        ws1_cfg = {
+            **cfg,
+            "engines": list(ENGINES_WS1),
+            "rounds": max(3, rounds // 2) if not quick else 3,
+            "count": False,
+            "instrument": cfg["instrument"],
+        }
         out1 = phase("timing, 1 rank", timing_worker, 1, ws1_cfg)
         report["env"]["torchreplicate_file_in_ranks"] = out1[0].get("torchreplicate_file")
         report["world_size_1"] = aggregate_timing(out1)
@@ -1288,7 +1365,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     json_path = write_report(report, table, args.out, "latest")
     try:
         plot(report, os.path.join(args.out, "ratios.png"))
-    except Exception as error:  # noqa: BLE001 - the plot is optional
+    except Exception as error:  # the plot is optional
         print(f"[bench] plot skipped: {error!r}")
     print()
     print(table)

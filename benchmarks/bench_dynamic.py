@@ -137,7 +137,12 @@ def timing_worker(cfg: dict) -> dict:
     rank, world = B.init_rank(1)
     import torchreplicate
 
-    out: dict[str, Any] = {"rank": rank, "world_size": world, "models": {}, "torchreplicate_file": torchreplicate.__file__}
+    out: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "models": {},
+        "torchreplicate_file": torchreplicate.__file__,
+    }
     for model_name in cfg["models"]:
         batch = B.make_batch(model_name, rank)
         for unused in cfg["unused"]:
@@ -175,8 +180,10 @@ def markdown(report: dict) -> str:
         "ours = `replicate()` defaults, no flag; DDP-fu = DDP with `find_unused_parameters=True`)"
     )
     lines.append("")
-    lines.append("| model | unused on rank 1 | ours static ms | DDP static ms | ours dyn ms | DDP-fu dyn ms | DDP-fu static ms "
-                 "| **ours dyn / ours static** | **ours dyn / DDP-fu dyn** | ours static / DDP static | DDP-fu dyn / DDP static |")
+    lines.append(
+        "| model | unused on rank 1 | ours static ms | DDP static ms | ours dyn ms | DDP-fu dyn ms | DDP-fu static ms "
+        "| **ours dyn / ours static** | **ours dyn / DDP-fu dyn** | ours static / DDP static | DDP-fu dyn / DDP static |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for key, m in report["results"].items():
         model_name, unused = key.split(":")
@@ -192,12 +199,16 @@ def markdown(report: dict) -> str:
             f"| {B.fmt_ratio(r.get('ours_static/ddp_static'))} | {B.fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
         )
     lines.append("")
-    lines.append("**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `bench_ddp.count_wire`: "
-                 "wrapped `torch.distributed` calls + torch.profiler gloo events; DDP's C++ reducer shows in the profiler only). "
-                 "max |Δparam| = largest parameter difference between ours and DDP after the same steps from the same init.")
+    lines.append(
+        "**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `bench_ddp.count_wire`: "
+        "wrapped `torch.distributed` calls + torch.profiler gloo events; DDP's C++ reducer shows in the profiler only). "
+        "max |Δparam| = largest parameter difference between ours and DDP after the same steps from the same init."
+    )
     lines.append("")
-    lines.append("| model | unused on rank 1 | collectives/step ours static / DDP static / ours dyn / DDP-fu dyn / DDP-fu static "
-                 "| payload MiB/step ours dyn / DDP-fu dyn | max abs param diff dyn / static |")
+    lines.append(
+        "| model | unused on rank 1 | collectives/step ours static / DDP static / ours dyn / DDP-fu dyn / DDP-fu static "
+        "| payload MiB/step ours dyn / DDP-fu dyn | max abs param diff dyn / static |"
+    )
     lines.append("|---|---|---|---|---|")
     for key, m in report["results"].items():
         model_name, unused = key.split(":")
@@ -221,13 +232,19 @@ def markdown(report: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per case (default 40; quick 5)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)"
+    )
+    parser.add_argument(
+        "--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 5; quick 3)")
     parser.add_argument("--quick", action="store_true", help="short smoke run (~1 min)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list from {MODELS}")
     parser.add_argument("--unused", default=",".join(UNUSED), help=f"comma list from {UNUSED}")
-    parser.add_argument("--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)")
+    parser.add_argument(
+        "--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
 

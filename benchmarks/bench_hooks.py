@@ -62,8 +62,10 @@ import bench_ddp as B  # noqa: E402
 MODEL = "mlp"
 ONE_BUCKET_MB = 64  # > the MLP's 32 MiB of gradients: one bucket
 VARIANTS = ("fp32", "bf16_wire", "bf16_hook", "fp16_hook", "psgd_r1", "psgd_r2", "psgd_r4", "psgd_r2_buckets")
-OURS_ONLY = {"bf16_wire": "no DDP option (its counterpart is bf16_compress_hook)",
-             "psgd_r2_buckets": "not run: DDP + PowerSGD with several buckets can hang on gloo"}
+OURS_ONLY = {
+    "bf16_wire": "no DDP option (its counterpart is bf16_compress_hook)",
+    "psgd_r2_buckets": "not run: DDP + PowerSGD with several buckets can hang on gloo",
+}
 TITLES = {
     "fp32": "fp32, no hook",
     "bf16_wire": "bf16 on the wire: `reduce_dtype=torch.bfloat16`",
@@ -134,7 +136,7 @@ def _buckets(engine: B.Engine) -> Any:
     try:  # private API; DDP logs bytes, the model is float32
         sizes = engine.module._get_ddp_logging_data().get("rebuilt_bucket_sizes")
         return [int(x) // 4 for x in str(sizes).split(",")] if sizes else sizes
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"unavailable: {error!r}"
 
 
@@ -157,7 +159,7 @@ def timing_worker(cfg: dict) -> dict:
                 continue
             try:
                 engines[name] = make_engine(side, variant, cfg["ddp_gbv"])
-            except Exception as error:  # noqa: BLE001 - a refusal is a result
+            except Exception as error:  # a refusal is a result
                 refused[name] = f"refused: {type(error).__name__}: {error}"
             dist.barrier()  # a refusal is the same on every rank
     timed = B.run_rounds(engines, batch, cfg)
@@ -219,8 +221,10 @@ def markdown(report: dict) -> str:
         "max |Δparam| = largest parameter difference ours vs DDP after the same steps)"
     )
     lines.append("")
-    lines.append("| variant | ours ms | DDP ms | **ours/DDP** | ours / ours fp32 | DDP / DDP fp32 | collectives/step ours / DDP "
-                 "| payload MiB/step/rank ours / DDP | max abs Δparam |")
+    lines.append(
+        "| variant | ours ms | DDP ms | **ours/DDP** | ours / ours fp32 | DDP / DDP fp32 | collectives/step ours / DDP "
+        "| payload MiB/step/rank ours / DDP | max abs Δparam |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|")
     for v in report["config"]["variants"]:
         o, d = f"ours.{v}", f"ddp.{v}"
@@ -243,30 +247,51 @@ def markdown(report: dict) -> str:
             f"| {B.fmt_ratio(r.get(f'{d}/ddp.fp32')) if v != 'fp32' else '1'} "
             f"| {cnt(o)} / {cnt(d)} | {pay(o)} / {pay(d)} | {'-' if diff is None else f'{diff:.2g}'} |"
         )
-    extra = [(k, lbl) for k, lbl in (("ours.psgd_r2_buckets/ours.psgd_r2", "ours PowerSGD r=2, default buckets / one bucket"),
-                                      ("ours.bf16_wire/ours.bf16_hook", "ours reduce_dtype=bf16 / ours bf16_compress_hook")) if k in r]
+    extra = [
+        (k, lbl)
+        for k, lbl in (
+            ("ours.psgd_r2_buckets/ours.psgd_r2", "ours PowerSGD r=2, default buckets / one bucket"),
+            ("ours.bf16_wire/ours.bf16_hook", "ours reduce_dtype=bf16 / ours bf16_compress_hook"),
+        )
+        if k in r
+    ]
     if extra:
         lines.append("")
         for k, lbl in extra:
             lines.append(f"- {lbl}: {B.fmt_ratio(r[k])}")
     lines.append("")
-    lines.append("Gradient elements per bucket: "
-                 + "; ".join(f"{name} {b}" for name, b in m["buckets"].items() if "psgd" in name or name.endswith("fp32"))
-                 + ". With a comm hook our reducer sends its per-step flags (`num_params + 1` floats) as an all-reduce of their own, "
-                 "after the hooks' futures complete; without one they ride in the last bucket.")
+    lines.append(
+        "Gradient elements per bucket: "
+        + "; ".join(f"{name} {b}" for name, b in m["buckets"].items() if "psgd" in name or name.endswith("fp32"))
+        + ". With a comm hook our reducer sends its per-step flags (`num_params + 1` floats) as an all-reduce of their own, "
+        "after the hooks' futures complete; without one they ride in the last bucket."
+    )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 40; quick 4)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)")
-    parser.add_argument("--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 5; quick 3; PowerSGD compresses from step 3)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per timed block (default: about --block-s worth, >= 3)"
+    )
+    parser.add_argument(
+        "--block-s", type=float, default=None, help="target seconds per timed block (default 0.25; quick 0.15)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up steps per engine (default 5; quick 3; PowerSGD compresses from step 3)",
+    )
     parser.add_argument("--quick", action="store_true", help="short smoke run (~1 min)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {VARIANTS}")
-    parser.add_argument("--ddp-gbv", action="store_true", help="DDP engines with gradient_as_bucket_view=True (default: DDP defaults)")
-    parser.add_argument("--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)")
+    parser.add_argument(
+        "--ddp-gbv", action="store_true", help="DDP engines with gradient_as_bucket_view=True (default: DDP defaults)"
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
 

@@ -35,7 +35,9 @@ class CharModel(nn.Module):
     def __init__(self, vocab: int, dim: int = 32, hidden: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.mlp = nn.Sequential(nn.Linear(CONTEXT * dim, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, vocab))
+        self.mlp = nn.Sequential(
+            nn.Linear(CONTEXT * dim, hidden), nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, vocab)
+        )
 
     def forward(self, context: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.embed(context).flatten(1))
@@ -109,7 +111,7 @@ def main() -> None:
             loss_fn(reference(inputs[index]), targets[index]).backward()
             ref_optimizer.step()
             ref_optimizer.zero_grad()
-        gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
         print(f"single-process run on the whole batches: max |difference| = {gap:.2e}  match: {gap < 1e-4}")
         if not same or gap >= 1e-4:
             raise SystemExit("replicas diverged or do not match the single-process run")

@@ -23,6 +23,7 @@ def accumulate(rank, world_size, *, micro_batches, use_context, vary_used_set):
     reference = seeded(Branches, 3)
     replicate(model)
     for step in range(3):
+
         def loss_of(module, r, k):
             branch = "a" if not vary_used_set or k % 2 == 0 else "b"
             return module(data(r, 10 * step + k), branch=branch).pow(2).mean()

@@ -329,11 +329,14 @@ def recording_hook(state: Recorder, bucket):
         if g.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
             problems.append(f"{name}: gradient is not in buffer()'s storage")
         elif g.storage_offset() != buffer.storage_offset() + offset:
-            problems.append(f"{name}: gradient at offset {g.storage_offset() - buffer.storage_offset()}, expected {offset}")
+            problems.append(
+                f"{name}: gradient at offset {g.storage_offset() - buffer.storage_offset()}, expected {offset}"
+            )
         elif not torch.equal(buffer[offset : offset + p.numel()].view_as(p), g):
             problems.append(f"{name}: buffer() and gradients() disagree")
         if name in state.expected and not torch.equal(g, state.expected[name]):
-            problems.append(f"{name}: the hook sees {float((g - state.expected[name]).abs().max()):.3g} off this rank's local gradient")
+            off = float((g - state.expected[name]).abs().max())
+            problems.append(f"{name}: the hook sees {off:.3g} off this rank's local gradient")
         offset += p.numel()
     if offset != buffer.numel():
         problems.append(f"buffer() has {buffer.numel()} elements, its gradients {offset}")
@@ -342,7 +345,9 @@ def recording_hook(state: Recorder, bucket):
     return completed(buffer.div_(dist.get_world_size()))
 
 
-def trace_buckets(rank: int, world_size: int, *, steps: int = 3, gradient_as_bucket_view: bool = True) -> dict[str, Any]:
+def trace_buckets(
+    rank: int, world_size: int, *, steps: int = 3, gradient_as_bucket_view: bool = True
+) -> dict[str, Any]:
     """Trains the MLP with tiny buckets under the recording hook; returns the trace."""
     build, make_batch, loss_of = MODELS["mlp"]
     model = seeded(build, 100 + rank)
@@ -361,7 +366,9 @@ def trace_buckets(rank: int, world_size: int, *, steps: int = 3, gradient_as_buc
                 q.copy_(p)
         shadow.zero_grad(set_to_none=True)
         loss_of(shadow(local), local).backward()
-        recorder.expected = {name: q.grad.clone() for (name, _), q in zip(model.named_parameters(), shadow.parameters())}
+        recorder.expected = {
+            name: q.grad.clone() for (name, _), q in zip(model.named_parameters(), shadow.parameters())
+        }
         recorder.calls = []
         loss_of(model(local), local).backward()
         per_step.append(recorder.calls)
@@ -480,7 +487,7 @@ def registration_errors(rank: int, world_size: int) -> dict[str, str]:
     def attempt(key: str, model, state, hook) -> None:
         try:
             model.register_comm_hook(state, hook)
-        except Exception as error:  # noqa: BLE001 - the test checks type and text
+        except Exception as error:  # the test checks type and text
             seen[key] = f"{type(error).__name__}: {error}"
         else:
             seen[key] = "no error"
@@ -504,8 +511,12 @@ def registration_errors(rank: int, world_size: int) -> dict[str, str]:
     attempt("after_step", model, None, default_hooks.allreduce_hook)
 
     # replicate()'s own reduction options and a hook both decide the reduction
-    attempt("reduce_dtype", replicate(seeded(build, 0), reduce_dtype=torch.bfloat16), None, default_hooks.allreduce_hook)
-    attempt("divide_factor", replicate(seeded(build, 0), gradient_divide_factor=8.0), None, default_hooks.allreduce_hook)
+    attempt(
+        "reduce_dtype", replicate(seeded(build, 0), reduce_dtype=torch.bfloat16), None, default_hooks.allreduce_hook
+    )
+    attempt(
+        "divide_factor", replicate(seeded(build, 0), gradient_divide_factor=8.0), None, default_hooks.allreduce_hook
+    )
     return seen
 
 
@@ -520,13 +531,17 @@ def bad_result_errors(rank: int, world_size: int, hook_key: str, *, tiny: bool =
         batch = make_batch(torch.Generator().manual_seed(step), PER_RANK)
         try:
             loss_of(model(batch), batch).backward()
-        except Exception as error:  # noqa: BLE001 - the test checks type and text
+        except Exception as error:  # the test checks type and text
             errors.append(f"{type(error).__name__}: {error}")
         else:
             errors.append("no error")
         model.zero_grad(set_to_none=True)
-    return {"errors": errors, "group_ok": _group_ok(rank, world_size), "numel": numel,
-            "num_buckets": len(replicate.state(model).reducer.buckets)}
+    return {
+        "errors": errors,
+        "group_ok": _group_ok(rank, world_size),
+        "numel": numel,
+        "num_buckets": len(replicate.state(model).reducer.buckets),
+    }
 
 
 def register_after_step_single_rank(rank: int, world_size: int) -> str:
@@ -537,7 +552,7 @@ def register_after_step_single_rank(rank: int, world_size: int) -> str:
     loss_of(model(batch), batch).backward()
     try:
         model.register_comm_hook(CountingState(1.0), counting_hook)
-    except Exception as error:  # noqa: BLE001 - the test checks type and text
+    except Exception as error:  # the test checks type and text
         return f"{type(error).__name__}: {error}"
     return "no error"
 

@@ -1,13 +1,8 @@
 """Shared fixtures: the multi-process pools (see harness.py)."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from harness import Pools  # noqa: E402
+from harness import Pools
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from accumulation_cases import accumulate, buffers_broadcast, odd_steps, sync_batchnorm_trains, sync_setting_read_at_backward
+from accumulation_cases import (
+    accumulate,
+    buffers_broadcast,
+    odd_steps,
+    sync_batchnorm_trains,
+    sync_setting_read_at_backward,
+)
 
 
 @pytest.mark.parametrize("use_context", [True, False])
@@ -30,14 +36,14 @@ def test_odd_steps_do_not_break_the_next(pools, world_size):
 
 def test_buffers_broadcast_before_every_forward(pools):
     results = pools.run(2, buffers_broadcast, broadcast_buffers=True)
-    for before, after, counters, count in results:
+    for before, after, counters, _count in results:
         assert not before, "ranks saw different data, so their statistics should differ before the broadcast"
         assert after and counters
     assert results[0][3] == 6  # 6 training forwards; the eval forward does not count
 
 
 def test_buffers_left_alone_when_asked(pools):
-    for before, after, counters, count in pools.run(2, buffers_broadcast, broadcast_buffers=False):
+    for _before, after, _counters, _count in pools.run(2, buffers_broadcast, broadcast_buffers=False):
         assert not after
 
 

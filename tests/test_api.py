@@ -88,7 +88,9 @@ def check_fully_shard_interplay(rank, world_size):
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = MLP()
     fully_shard(sharded, mesh=mesh)
-    with pytest.raises(RuntimeError, match="Cannot apply `replicate\\(\\)` on a Module already managed by `fully_shard`"):
+    with pytest.raises(
+        RuntimeError, match="Cannot apply `replicate\\(\\)` on a Module already managed by `fully_shard`"
+    ):
         replicate(sharded)
 
     # fully_shard child first: its parameters are skipped

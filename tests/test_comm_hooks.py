@@ -34,7 +34,9 @@ import comm_hook_cases as cases
 
 
 def _raise_errors(results):
-    errors = [f"--- rank {rank} (step {r.get('step')}) ---\n{r['error']}" for rank, r in enumerate(results) if "error" in r]
+    errors = [
+        f"--- rank {rank} (step {r.get('step')}) ---\n{r['error']}" for rank, r in enumerate(results) if "error" in r
+    ]
     if errors:
         raise AssertionError("\n".join(errors))
 
@@ -70,7 +72,9 @@ def test_stock_hook(pools, hook_name, compare, options):
     if options:
         assert results[0]["num_buckets"] >= 3, "tiny caps should give several buckets"
     if compare == "local":
-        assert results[0]["digests"] != results[1]["digests"], "with noop_hook nothing is averaged, so the replicas must diverge"
+        assert results[0]["digests"] != results[1]["digests"], (
+            "with noop_hook nothing is averaged, so the replicas must diverge"
+        )
         return
     assert results[0]["digests"] == results[1]["digests"], "replicas are not bitwise identical"
     if compare in ("fp16", "bf16"):
@@ -175,7 +179,11 @@ def test_registration_errors(pools):
     results = pools.run(2, cases.registration_errors)
     assert results[0] == results[1]
     seen = results[0]
-    assert seen["not_callable"].startswith("TypeError:") and "callable" in seen["not_callable"] and "int" in seen["not_callable"]
+    assert (
+        seen["not_callable"].startswith("TypeError:")
+        and "callable" in seen["not_callable"]
+        and "int" in seen["not_callable"]
+    )
     for key, name in (("one_arg", "_one_arg_hook"), ("three_args", "_three_arg_hook")):
         assert seen[key].startswith("TypeError:"), seen[key]
         assert "two positional arguments (state, bucket)" in seen[key] and name in seen[key], seen[key]
@@ -273,7 +281,9 @@ def test_hook_collectives_from_callbacks_do_not_meet_the_tail(pools):
     results = pools.run(2, cases.chained_collective_run, timeout_s=60)
     _raise_errors(results)
     for rank, r in enumerate(results):
-        assert r["markers"] and all(v == 2000.0 for v in r["markers"][0]), f"rank {rank}: the hook's all-reduce got {r['markers']}"
+        assert r["markers"] and all(v == 2000.0 for v in r["markers"][0]), (
+            f"rank {rank}: the hook's all-reduce got {r['markers']}"
+        )
         assert r["grads_ok"], f"rank {rank}: wrong gradients"
 
 

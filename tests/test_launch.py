@@ -64,7 +64,9 @@ def _run(command, timeout=180):
 
 
 def test_command_line_runs_the_example():
-    done = _run([sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"])
+    done = _run(
+        [sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"]
+    )
     assert done.returncode == 0, done.stderr
     assert "identical: True" in done.stdout and "match: True" in done.stdout
     assert "RuntimeWarning" not in done.stderr

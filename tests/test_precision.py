@@ -12,8 +12,8 @@ from torchreplicate import replicate
     "dtype_name, tolerance",
     [
         ("float32", 1e-5),  # same dtype: only summation order differs
-        ("bfloat16", 2 ** -7),  # 8 mantissa bits: one rounding on the way, one on the sum
-        ("float16", 2 ** -9),  # 11 mantissa bits
+        ("bfloat16", 2**-7),  # 8 mantissa bits: one rounding on the way, one on the sum
+        ("float16", 2**-9),  # 11 mantissa bits
     ],
 )
 @pytest.mark.parametrize("world_size", [2, 3])

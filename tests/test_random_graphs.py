@@ -25,7 +25,10 @@ OPTIONS = st.sampled_from(
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=plans(2), options=OPTIONS)
 # found by this test: a late round gave never-used parameters a zero .grad
-@example(plan=[[[], [(5, "plain")]], [[], [(5, "plain"), (5, "reentrant")]]], options={"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001})
+@example(
+    plan=[[[], [(5, "plain")]], [[], [(5, "plain"), (5, "reentrant")]]],
+    options={"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001},
+)
 def test_random_graphs_two_ranks(pools, plan, options):
     digests = pools.run(2, run_plan, plan, options)
     assert len(set(digests)) == 1

@@ -4,6 +4,8 @@
 every backward, each parameter's ``.grad`` is the mean over all ranks.
 """
 
+from typing import Any
+
 from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.comm_hooks import GradBucket
 from torchreplicate.config import ReplicateConfig
@@ -13,7 +15,7 @@ __all__ = ["GradBucket", "ReplicateConfig", "ReplicateModule", "ReplicateState",
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The launcher loads on first use, so `python -m torchreplicate.launch`
     # does not find its own module imported already.
     if name == "launch":

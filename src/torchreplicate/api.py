@@ -69,7 +69,7 @@ class ReplicateModule:
 
 
 @functools.lru_cache(maxsize=None)
-def _replicated_class(cls: type) -> type:
+def _replicated_class(cls: Any) -> type:
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__})
 
 
@@ -164,7 +164,7 @@ def replicate(
         state.remove_hooks()
         unregister_state(module)
         raise
-    module.__class__ = _replicated_class(type(module))
+    module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
     return module
 
 

@@ -127,4 +127,3 @@ class StepState:
     def is_launched(self, bucket: Bucket) -> bool:
         """Whether ``bucket`` was launched in this backward (buckets launch in index order)."""
         return bucket.index < self.num_launched
-

@@ -70,13 +70,10 @@ def plan_buckets(
     if order is None:
         order = range(count - 1, -1, -1)
     elif sorted(order) != list(range(count)):
-        raise ValueError(
-            f"plan_buckets: order must be a permutation of range({count}), got {list(order)}"
-        )
+        raise ValueError(f"plan_buckets: order must be a permutation of range({count}), got {list(order)}")
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(
-            f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, "
-            f"first_cap_bytes={first_cap_bytes}"
+            f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}"
         )
 
     buckets: list[BucketSpec] = []

@@ -49,7 +49,7 @@ class WeakGroup:
 
 def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each parameter: what every rank must agree on."""
-    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in zip(names, params)]
+    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in zip(names, params, strict=True)]
 
 
 def fingerprint(description: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
@@ -123,7 +123,7 @@ def broadcast_coalesced(
         flat = _pack_bytes(members)
         dist.broadcast(flat, src=src, group=group)
         offset = 0
-        for i, tensor in zip(indices, members):
+        for i, tensor in zip(indices, members, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             offset += _padded(nbytes)

@@ -82,8 +82,7 @@ def check_comm_hook(hook: Any) -> None:
     """
     if not callable(hook):
         raise TypeError(
-            f"register_comm_hook(): hook must be callable as hook(state, bucket), "
-            f"got {type(hook).__name__}"
+            f"register_comm_hook(): hook must be callable as hook(state, bucket), got {type(hook).__name__}"
         )
     try:
         signature = inspect.signature(hook)
@@ -113,8 +112,7 @@ def hook_result(value: Any, bucket: GradBucket) -> torch.Tensor:
         value = value[0]
     if not isinstance(value, torch.Tensor):
         raise TypeError(
-            f"comm hook: the future of bucket {bucket.index()} must resolve to a "
-            f"torch.Tensor, got {_describe(value)}"
+            f"comm hook: the future of bucket {bucket.index()} must resolve to a torch.Tensor, got {_describe(value)}"
         )
     expected = sum(g.numel() for g in bucket.gradients())
     if value.numel() != expected:

@@ -43,9 +43,7 @@ class ReplicateConfig:
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(
-                    f"replicate(): {option} must be a positive number of MiB, got {value!r}"
-                )
+                raise ValueError(f"replicate(): {option} must be a positive number of MiB, got {value!r}")
         for option in ("gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "static_graph"):
             value = getattr(self, option)
             if not isinstance(value, bool):

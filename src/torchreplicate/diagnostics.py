@@ -16,8 +16,7 @@ def format_param_mismatch(per_rank: Sequence[ParamDescription], this_rank: int) 
     """
     counts = [len(d) for d in per_rank]
     head = (
-        f"replicate(): rank {this_rank}: the ranks hold different parameters, so their "
-        "gradients cannot be averaged. "
+        f"replicate(): rank {this_rank}: the ranks hold different parameters, so their gradients cannot be averaged. "
     )
     fix = " Build the same model on every rank before calling replicate()."
     width = min(counts)
@@ -30,9 +29,7 @@ def format_param_mismatch(per_rank: Sequence[ParamDescription], this_rank: int) 
             listing = ", ".join(f"rank {r}: {e[0]!r}" for r, e in enumerate(entries))
             return f"{head}Parameter #{position} has different names: {listing}.{fix}"
         name = entries[0][0]
-        listing = ", ".join(
-            f"rank {r}: shape {list(shape)} {dtype}" for r, (_, shape, dtype) in enumerate(entries)
-        )
+        listing = ", ".join(f"rank {r}: shape {list(shape)} {dtype}" for r, (_, shape, dtype) in enumerate(entries))
         return f"{head}Parameter {name!r} differs: {listing}.{fix}"
     listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
     extra = []
@@ -40,4 +37,3 @@ def format_param_mismatch(per_rank: Sequence[ParamDescription], this_rank: int) 
         if len(d) > width:
             extra.append(f"rank {r} also has {d[width][0]!r}")
     return f"{head}Different numbers of parameters ({listing}); {'; '.join(extra)}.{fix}"
-

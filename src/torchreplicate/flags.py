@@ -66,4 +66,4 @@ class StepFlags:
         if not unused_here:
             return FlagSums(frozenset(), any_late)  # used here, so used somewhere
         counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
-        return FlagSums(frozenset(i for i, c in zip(unused_here, counts) if c == 0), any_late)
+        return FlagSums(frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0), any_late)

@@ -72,13 +72,16 @@ class ViewLayout(GradLayout):
     def keep_local(self, slot: ParamSlot) -> None:
         # .grad was set to None (zero_grad) or replaced: move it into the bucket
         param = slot.param
-        if param.grad is not slot.view:
-            slot.view.copy_(param.grad)
+        grad = param.grad
+        assert grad is not None, "the hook runs after an accumulation into .grad"
+        if grad is not slot.view:
+            slot.view.copy_(grad)
             param.grad = slot.view
 
     def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
         param = slot.param
         grad = param.grad
+        assert grad is not None, "the hook runs after an accumulation into .grad"
         if grad is slot.view:
             return  # accumulated in place: finish_absorbing handles it at launch
         if step.absorbed[slot.index]:
@@ -131,6 +134,7 @@ class CopyLayout(GradLayout):
     def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
         for slot in bucket.slots:
             grad = slot.param.grad
+            assert grad is not None, "a bucket launches from a hook only once every slot has a gradient"
             reduction.absorb(grad, slot)  # the copy into the slot is the scaling pass
             _mark_absorbed(slot, step)
             step.held[slot.index] = grad

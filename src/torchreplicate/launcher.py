@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 import traceback
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Optional, Sequence
 
 
@@ -38,7 +39,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def die_with_parent() -> None:
@@ -138,7 +139,7 @@ def launch(
             except queue.Empty:
                 _check_exits(processes, values)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them")
+                    raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them") from None
                 continue
             if not ok:
                 raise WorkerError(rank, value)
@@ -153,7 +154,7 @@ def launch(
     return [values[rank] for rank in range(nprocs)]
 
 
-def _check_exits(processes: Sequence[multiprocessing.Process], values: dict[int, Any]) -> None:
+def _check_exits(processes: Sequence[BaseProcess], values: dict[int, Any]) -> None:
     for rank, process in enumerate(processes):
         if process.exitcode not in (None, 0) and rank not in values:
             time.sleep(0.2)  # its traceback may still be in the queue's pipe

@@ -125,7 +125,10 @@ class Reducer:
         self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
         self.layout = layout
         self.sync = sync
-        self.slots = [ParamSlot(i, p, n, learned.expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names))]
+        self.slots = [
+            ParamSlot(i, p, n, learned.expected.get(id(p), 0))
+            for i, (p, n) in enumerate(zip(params, names, strict=True))
+        ]
         self.buckets = self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
@@ -313,7 +316,7 @@ class Reducer:
                 pieces.append(piece)
             dist.all_reduce(extra, group=self.group)
             extra.div_(self.reduction.divide_factor)
-            for slot, piece in zip(bucket.slots, pieces):
+            for slot, piece in zip(bucket.slots, pieces, strict=True):
                 # A late gradient anywhere means the parameter was used there,
                 # so every rank now holds a .grad for it; None means unused
                 # everywhere, and nothing late can have arrived for it.
@@ -325,7 +328,7 @@ class Reducer:
         if not step.grew:
             return
         changed = set()
-        for slot, fired in zip(self.slots, step.fired):
+        for slot, fired in zip(self.slots, step.fired, strict=True):
             if fired > slot.expected:
                 slot.expected = fired
                 changed.add(slot.bucket.index)

@@ -79,7 +79,9 @@ class AllReduce(Reduction):
         gradient_divide_factor: divisor of the sum; None: the world size.
     """
 
-    def __init__(self, reduce_dtype: Optional[torch.dtype] = None, gradient_divide_factor: Optional[float] = None) -> None:
+    def __init__(
+        self, reduce_dtype: Optional[torch.dtype] = None, gradient_divide_factor: Optional[float] = None
+    ) -> None:
         # - Configuration
         self.reduce_dtype = reduce_dtype
         self.gradient_divide_factor = gradient_divide_factor

@@ -10,15 +10,13 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 if TYPE_CHECKING:
     from torchreplicate.state import ReplicateState
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, ReplicateState]" = weakref.WeakKeyDictionary()
+_STATES: "weakref.WeakKeyDictionary[object, ReplicateState]" = weakref.WeakKeyDictionary()
 
 
-def register_state(module: nn.Module, state: "ReplicateState") -> None:
+def register_state(module: object, state: "ReplicateState") -> None:
     """Records ``state`` for ``module``; refuses a module that already has one."""
     if module in _STATES:
         raise RuntimeError(
@@ -28,7 +26,7 @@ def register_state(module: nn.Module, state: "ReplicateState") -> None:
     _STATES[module] = state
 
 
-def get_state(module: nn.Module) -> "ReplicateState":
+def get_state(module: object) -> "ReplicateState":
     """Returns the state of a module that ``replicate()`` was applied to.
 
     Raises:
@@ -38,16 +36,15 @@ def get_state(module: nn.Module) -> "ReplicateState":
         return _STATES[module]
     except (KeyError, TypeError):
         raise ValueError(
-            f"replicate.state(): {type(module).__name__} is not managed by replicate(); "
-            "call replicate(module) first"
+            f"replicate.state(): {type(module).__name__} is not managed by replicate(); call replicate(module) first"
         ) from None
 
 
-def is_registered(module: nn.Module) -> bool:
+def is_registered(module: object) -> bool:
     """Whether ``replicate()`` was applied to ``module``."""
     return module in _STATES
 
 
-def unregister_state(module: nn.Module) -> None:
+def unregister_state(module: object) -> None:
     """Forgets ``module``'s state (a ``replicate()`` call that failed part-way)."""
     _STATES.pop(module, None)

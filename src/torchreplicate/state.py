@@ -108,8 +108,7 @@ class ReplicateState:
         """See ``ReplicateModule.set_requires_gradient_sync``."""
         if not isinstance(requires_gradient_sync, bool):
             raise TypeError(
-                "set_requires_gradient_sync(): expected a bool, got "
-                f"{type(requires_gradient_sync).__name__}"
+                f"set_requires_gradient_sync(): expected a bool, got {type(requires_gradient_sync).__name__}"
             )
         self.sync.on = requires_gradient_sync
 
@@ -172,7 +171,9 @@ class ReplicateState:
                 "torch.distributed.init_process_group() first (torchrun or "
                 "torchreplicate.launcher set up its environment)"
             )
-        self._group = self._given_group or WeakGroup(dist.group.WORLD)
+        world = dist.group.WORLD
+        assert world is not None, "initialised above"
+        self._group = self._given_group or WeakGroup(world)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
         learned: Optional[Learned] = None
@@ -260,7 +261,7 @@ class ReplicateState:
         # Out of place: a graph from an earlier forward may have saved the old
         # tensors (two forwards through BatchNorm before one backward).
         fresh = broadcast_coalesced(self._buffer_values(), self.group, in_place=False)
-        for (owner, name), tensor in zip(self._buffers, fresh):
+        for (owner, name), tensor in zip(self._buffers, fresh, strict=True):
             setattr(owner(), name, tensor)
 
     @labelled("post_forward")
