@@ -118,8 +118,7 @@ def buffers_broadcast(rank, world_size, *, broadcast_buffers):
     # the last forward ran on rank-dependent data: statistics differ unless re-broadcast
     before_forward_equal = _gathered_equal(model.bn.running_mean)
     model.eval()
-    with torch.no_grad():
-        model(data(rank, 99))
+    model(data(rank, 99))  # grad enabled: buffers are broadcast (a no_grad forward runs no collective)
     after_forward_equal = _gathered_equal(model.bn.running_mean)
     counter_equal = _gathered_equal(model.bn.num_batches_tracked.reshape(1))
     return before_forward_equal, after_forward_equal, counter_equal, int(model.bn.num_batches_tracked)

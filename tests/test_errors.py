@@ -10,9 +10,14 @@ from torchreplicate import replicate
 
 @pytest.mark.parametrize("device_id", ["cpu", 1.5, [0], object()])
 def test_device_id_type(device_id):
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(TypeError) as info:
         replicate(MLP(), device_id=device_id)
-    assert str(info.value) == f"Expected device_id to be int or torch.device, but got {type(device_id)}"
+    message = str(info.value)
+    assert message.startswith(
+        "replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a torch.device"
+    )
+    assert f"got {device_id!r} ({type(device_id).__name__})" in message
+    assert "pass e.g. torch.device('cpu') or 0" in message
 
 
 def test_not_a_module():

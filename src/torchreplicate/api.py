@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.config import ReplicateConfig, check_process_group, to_device
-from torchreplicate.registry import get_state, register_state, unregister_state
+from torchreplicate.config import ReplicateConfig, check_process_group, to_device, to_ignored_modules
+from torchreplicate.registry import find_state, get_state, register_state, unregister_state
 from torchreplicate.state import ReplicateState, is_fully_sharded, warn_no_effect
 
 
@@ -67,10 +68,47 @@ class ReplicateModule:
         """
         get_state(self).register_comm_hook(state, hook)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        # .to(), .double(), .half(), .cuda(), ... on the replicated root: the
+        # next forward re-plans ([Note: re-planning] in plan.py).
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        state = find_state(self)
+        if state is not None:
+            state.note_conversion()
+        return result
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickles and deep-copies as a plain module of the original class.
+
+        ``copy.deepcopy(model)`` (an EMA or teacher copy) and ``torch.save(model)``
+        give an ordinary module: no hooks, no reducer, no collectives, the
+        original untouched. Call ``replicate()`` on the copy to replicate it.
+        """
+        reduced = super().__reduce_ex__(protocol)
+        state = find_state(self)
+        if not isinstance(reduced, tuple) or reduced[0] is not _NEWOBJ or state is None:
+            return reduced
+        plain = _original_class(type(self))
+        attributes = reduced[2]
+        if isinstance(attributes, dict):
+            attributes = state.without_own_hooks(attributes)
+        # Not copyreg.__newobj__: pickle insists that its class be type(self).
+        return (plain.__new__, (plain,), attributes, *reduced[3:])
+
 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__})
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__(2) returns; not in typeshed
+
+
+def _original_class(cls: type) -> type:
+    # The class replicate() derived from: the base after ReplicateModule.
+    bases = cls.__bases__
+    assert len(bases) == 2 and bases[0] is ReplicateModule, bases
+    return bases[1]
 
 
 def replicate(
@@ -130,9 +168,10 @@ def replicate(
 
     Raises:
         RuntimeError: ``module`` is managed by ``fully_shard``, ``replicate``
-            was already applied, ``device_id`` has the wrong type, or the
-            ranks' parameters differ (raised on every rank).
-        TypeError / ValueError: an option has a bad value.
+            was already applied, or the ranks' parameters differ (raised on
+            every rank, naming the parameter).
+        TypeError / ValueError: an option has a bad value (the message names
+            the option, the value and the fix).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
@@ -141,7 +180,7 @@ def replicate(
     device = to_device(device_id)
     check_process_group(process_group)
     config = ReplicateConfig(
-        ignored_modules=tuple(ignored_modules or ()),
+        ignored_modules=to_ignored_modules(ignored_modules),
         device_id=device,
         bucket_cap_mb=bucket_cap_mb,
         first_bucket_cap_mb=first_bucket_cap_mb,

@@ -29,15 +29,20 @@ class ParamSlot:
             re-plan carries it over from the previous reducer).
     """
 
-    __slots__ = ("index", "param", "name", "bucket", "view", "expected")
+    __slots__ = ("index", "param", "name", "dtype", "bucket", "view", "expected", "optimizers")
 
     def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:
         # - Layout: fixed once the buckets are built
         self.index = index
         self.param = param
         self.name = name
-        self.bucket: Bucket  # set by Bucket.__init__
+        # planned dtype; not view.dtype: module._apply (a submodule's .double())
+        # swaps the data of an existing .grad, which may be the view itself
+        self.dtype = param.dtype
+        self.bucket: Bucket  # set by Bucket.__init__ (never for a sparse parameter)
         self.view: torch.Tensor  # this parameter's gradient in the bucket, shaped like it
+        # torch's optimizer-in-backward: stepped by the reducer once the average is in .grad
+        self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(getattr(param, "_in_backward_optimizers", ()))
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
         self.expected = expected

@@ -49,7 +49,12 @@ class WeakGroup:
 
 def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each parameter: what every rank must agree on."""
-    return [(name, tuple(p.shape), str(p.dtype).replace("torch.", "")) for name, p in zip(names, params, strict=True)]
+    return [(name, tuple(p.shape), _dtype_text(p)) for name, p in zip(names, params, strict=True)]
+
+
+def _dtype_text(param: torch.Tensor) -> str:
+    text = str(param.dtype).replace("torch.", "")
+    return text if param.requires_grad else text + " (frozen)"
 
 
 def fingerprint(description: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
@@ -130,7 +135,9 @@ def broadcast_coalesced(
             if in_place:
                 tensor.copy_(piece)
             else:
-                results[i] = piece
+                # a tensor of its own, not a view of `flat`: torch.compile refuses
+                # graph inputs that share storage ("view input mutations")
+                results[i] = piece.clone()
     return results
 
 

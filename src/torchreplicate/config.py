@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,11 @@ class ReplicateConfig:
                 )
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"replicate(): {option} must be a positive number of MiB, got {value!r}")
+            if not _is_positive_finite(value):
+                raise ValueError(
+                    f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
+                    "finite value, e.g. 25 (the default; a cap above the model's size gives one bucket)"
+                )
         for option in ("gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "static_graph"):
             value = getattr(self, option)
             if not isinstance(value, bool):
@@ -56,20 +60,53 @@ class ReplicateConfig:
                 f"got {self.reduce_dtype!r}"
             )
         factor = self.gradient_divide_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+        if factor is not None and not _is_positive_finite(factor):
             raise ValueError(
                 "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
-                f"None for the mean over ranks), got {factor!r}"
+                f"None for the mean over ranks), got {factor!r}; it must be finite"
             )
+
+
+def _is_positive_finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def check_process_group(process_group: object) -> None:
     """Refuses a ``replicate(process_group=...)`` that is not a process group."""
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+    if process_group is None or isinstance(process_group, dist.ProcessGroup):
+        return
+    if type(process_group).__name__ == "DeviceMesh":
         raise TypeError(
-            "replicate(): process_group must be a torch.distributed.ProcessGroup "
-            f"(e.g. from dist.new_group()), got {type(process_group).__name__}"
+            "replicate(): process_group must be a torch.distributed.ProcessGroup, got a DeviceMesh; "
+            "pass process_group=mesh.get_group() (a 1-D mesh)"
         )
+    raise TypeError(
+        "replicate(): process_group must be a torch.distributed.ProcessGroup "
+        f"(e.g. from dist.new_group()), got {type(process_group).__name__}"
+    )
+
+
+def to_ignored_modules(ignored_modules: object) -> tuple[nn.Module, ...]:
+    """Turns ``replicate(ignored_modules=...)`` into a tuple of modules.
+
+    Raises:
+        TypeError: a single module, or something that is not an iterable of modules.
+    """
+    if ignored_modules is None:
+        return ()
+    if isinstance(ignored_modules, nn.Module):
+        raise TypeError(
+            f"replicate(): ignored_modules must be an iterable of modules, got a single "
+            f"{type(ignored_modules).__name__}; pass a list, e.g. ignored_modules=[model.head]"
+        )
+    try:
+        modules = tuple(cast(Iterable[nn.Module], ignored_modules))
+    except TypeError:
+        raise TypeError(
+            "replicate(): ignored_modules must be an iterable of modules, got "
+            f"{type(ignored_modules).__name__}; pass e.g. ignored_modules=[model.head]"
+        ) from None
+    return modules
 
 
 def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:
@@ -79,14 +116,25 @@ def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.devic
     machine); where there is none it means the CPU, so one script runs on both.
 
     Raises:
-        RuntimeError: ``device_id`` is neither an int nor a torch.device.
+        TypeError: ``device_id`` is neither an int nor a torch.device.
+        ValueError: a negative index, or a device this machine does not have.
     """
     if device_id is None:
         return None
-    if isinstance(device_id, torch.device):
-        return device_id
     if isinstance(device_id, int) and not isinstance(device_id, bool):
-        if torch.cuda.is_available():
-            return torch.device("cuda", device_id)
-        return torch.device("cpu")
-    raise RuntimeError(f"Expected device_id to be int or torch.device, but got {type(device_id)}")
+        if device_id < 0:
+            raise ValueError(
+                f"replicate(): device_id must be a non-negative accelerator index, got {device_id}; "
+                "pass e.g. int(os.environ['LOCAL_RANK'])"
+            )
+        return torch.device("cuda", device_id) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_id, torch.device):
+        if device_id.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"replicate(): device_id={device_id} but CUDA is not available here; pass None or torch.device('cpu')"
+            )
+        return device_id
+    raise TypeError(
+        f"replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a torch.device, "
+        f"got {device_id!r} ({type(device_id).__name__}); pass e.g. torch.device('cpu') or 0"
+    )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar
 
-from torch.autograd import profiler as _autograd_profiler
+from torch.autograd.profiler import record_function
+
+from torchreplicate.torch_internals import profiler_active
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -20,32 +22,17 @@ PREFIX = "torchreplicate::"
 PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round")
 
 
-def profiler_enabled() -> bool:
-    """Whether a torch profiler session is recording.
-
-    Reads ``torch.autograd.profiler._is_profiler_enabled``, the flag torch
-    keeps for exactly this kind of fast Python check (set on profiler start
-    and stop by both ``torch.profiler.profile`` and the legacy profiler).
-    Private: checked on torch 2.13.0 (present since 1.13); if a later torch
-    drops it, labels are simply never recorded.
-    """
-    return getattr(_autograd_profiler, "_is_profiler_enabled", False)
-
-
 def labelled(phase: str) -> Callable[[F], F]:
-    """Decorator: runs the function under ``record_function`` while profiling."""
+    """Decorator: runs the function under ``record_function("torchreplicate::<phase>")`` while profiling."""
     assert phase in PHASES, phase
     name = PREFIX + phase
 
     def decorate(fn: F) -> F:
-        if not hasattr(_autograd_profiler, "_is_profiler_enabled"):
-            return fn  # see profiler_enabled()
-
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _autograd_profiler._is_profiler_enabled:
+            if not profiler_active():
                 return fn(*args, **kwargs)
-            with _autograd_profiler.record_function(name):
+            with record_function(name):
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -50,20 +50,23 @@ same nesting (tests/dynamic_cases.py: other_method_checkpointed).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup
-from torchreplicate.engine_callback import queue_end_of_backward_callback
 from torchreplicate.flags import StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
 from torchreplicate.profiling import labelled
 from torchreplicate.reduction import Reduction
+from torchreplicate.sparse import SparseGrads
+from torchreplicate.torch_internals import queue_end_of_backward_callback
 
 
 class SyncSwitch:
@@ -104,7 +107,11 @@ class Reducer:
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
         sync: the module's gradient-sync switch.
+        sparse: identities of the parameters with sparse gradients (sparse.py).
         learned: what the previous reducer of the module learned (a re-plan).
+
+    Raises:
+        ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class Reducer:
         layout: GradLayout,
         reduction: Reduction,
         sync: SyncSwitch,
+        sparse: frozenset[int] = frozenset(),
         learned: Optional[Learned] = None,
     ) -> None:
         learned = learned or Learned({}, 0)
@@ -129,7 +137,16 @@ class Reducer:
             ParamSlot(i, p, n, learned.expected.get(id(p), 0))
             for i, (p, n) in enumerate(zip(params, names, strict=True))
         ]
-        self.buckets = self._build_buckets(bucket_cap_bytes, first_bucket_cap_bytes)
+        _refuse_foreign_hooks(self.slots)
+        self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
+        self.buckets = self._build_buckets(
+            [slot for slot in self.slots if id(slot.param) not in sparse], bucket_cap_bytes, first_bucket_cap_bytes
+        )
+        # torch's optimizer-in-backward: its own hooks would step on the local
+        # gradient, so they go, and the reducer steps after the average
+        self._in_backward = [slot for slot in self.slots if slot.optimizers]
+        for slot in self._in_backward:
+            torch_internals.remove_in_backward_optimizer_hooks(slot.param)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
@@ -139,7 +156,9 @@ class Reducer:
         # - Per step: replaced at the end of each synchronised backward
         self.step = StepState(len(self.slots))
         self._hook_handles = [
-            slot.param.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, slot))
+            slot.param.register_post_accumulate_grad_hook(
+                functools.partial(self._on_sparse_grad if id(slot.param) in sparse else self._on_grad_accumulated, slot)
+            )
             for slot in self.slots
         ]
         layout.adopt(self.slots)
@@ -163,8 +182,11 @@ class Reducer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _build_buckets(self, cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
-        params = [slot.param for slot in self.slots]
+    def _build_buckets(self, dense: Sequence[ParamSlot], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+        extra = num_flags(len(self.slots))
+        if not dense:  # only sparse parameters: the flags still need a bucket to travel in
+            return [Bucket(0, [], torch.float32, self.slots[0].param.device, extra=extra)]
+        params = [slot.param for slot in dense]
         specs = plan_buckets(
             [p.numel() for p in params],
             [p.dtype for p in params],
@@ -176,10 +198,10 @@ class Reducer:
         return [
             Bucket(
                 index,
-                [self.slots[i] for i in spec.param_indices],
+                [dense[i] for i in spec.param_indices],
                 spec.dtype,
                 spec.device,
-                extra=num_flags(len(self.slots)) if index == last else 0,
+                extra=extra if index == last else 0,
             )
             for index, spec in enumerate(specs)
         ]
@@ -216,9 +238,22 @@ class Reducer:
     @labelled("hook")
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # Runs after every accumulation into param.grad: keep it short.
+        grad = param.grad
+        if grad is None:
+            return  # an undefined gradient (a Function returned None): nothing accumulated
         if not self.sync.on:
             self.layout.keep_local(slot)
             return
+        if grad.dtype is not slot.dtype:
+            raise _changed_since_plan(slot, grad)
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): the average cannot keep the graph
+            _warn_create_graph()
+            with torch.no_grad():
+                return self._take(slot)
+        self._take(slot)
+
+    def _take(self, slot: ParamSlot) -> None:
         step = self.step
         if not step.finalize_queued:
             self.queue_finalize()
@@ -230,11 +265,22 @@ class Reducer:
         if bucket.index < step.num_launched:
             step.late = True  # the fresh .grad is reduced by the late round
             return
-        self.layout.take(slot, step, self.reduction)
+        try:
+            self.layout.take(slot, step, self.reduction)
+        except RuntimeError as error:
+            grad = slot.param.grad
+            if grad is not None and (grad.device != slot.bucket.buffer.device or grad.shape != slot.view.shape):
+                raise _changed_since_plan(slot, grad) from error
+            raise
         if fired == slot.expected:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch_ready(step)
+
+    def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
+        # A sparse gradient stays in .grad until the end of backward (sparse.py).
+        if self.sync.on and not self.step.finalize_queued:
+            self.queue_finalize()
 
     def _launch_ready(self, step: StepState) -> None:
         # Launch, in index order, every ready bucket but the last ([Note: one
@@ -275,7 +321,7 @@ class Reducer:
 
     def _finish_step(self, step: StepState) -> None:
         num_early = step.num_launched  # launched from hooks, .grad detached
-        unused_here: list[int] = []
+        unused_here = self.sparse.unused_here()
         for bucket in self.buckets[num_early:]:
             for slot in bucket.slots:
                 if not self.layout.fill(slot, step, self.reduction):
@@ -290,8 +336,14 @@ class Reducer:
         late_grads = self.layout.restore(self.buckets, step, sums, num_early)
         if sums.any_late:
             self._reduce_late(late_grads)
+        self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere)
         self._learn(step)
         self.num_steps += 1
+        for slot in self._in_backward:  # every .grad is final now
+            if slot.param.grad is not None:
+                for optimizer in slot.optimizers:
+                    optimizer.step()
+                slot.param.grad = None  # as torch's optimizer-in-backward leaves it
 
     @labelled("wait")
     def _wait(self, bucket: Bucket) -> None:
@@ -329,11 +381,44 @@ class Reducer:
             return
         changed = set()
         for slot, fired in zip(self.slots, step.fired, strict=True):
-            if fired > slot.expected:
+            if fired > slot.expected:  # never a sparse slot: its hook counts nothing
                 slot.expected = fired
                 changed.add(slot.bucket.index)
         for index in changed:
             self.buckets[index].relearn()
+
+
+def _refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
+    for slot in slots:
+        if slot.param._post_accumulate_grad_hooks:
+            raise ValueError(
+                f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
+                "by someone else; it would run on this rank's local gradient before the average "
+                "(an optimizer stepped there makes the replicas diverge). For an optimizer in "
+                "backward use torch.distributed.optim._apply_optimizer_in_backward, which "
+                "replicate() steps after the average; otherwise step after backward()"
+            )
+
+
+def _changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
+    buffer = slot.bucket.buffer
+    return RuntimeError(
+        f"replicate(): parameter {slot.name!r} changed since it was planned: its gradient is "
+        f"{grad.dtype} {tuple(grad.shape)} on {grad.device}, its bucket holds {buffer.dtype} "
+        f"{tuple(slot.param.shape)} on {buffer.device}. Convert the whole replicated model "
+        "(model.to(...), model.double(), ...: replicate() re-plans) or convert before replicate()"
+    )
+
+
+def _warn_create_graph() -> None:
+    # Python's default filter shows it once per process (one call site).
+    warnings.warn(
+        "replicate(): backward(create_graph=True): each .grad holds the average over ranks, "
+        "without the graph of the local gradient (as DDP); higher-order terms through .grad "
+        "are not averaged. torch.autograd.grad(..., create_graph=True) is unaffected",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _raise_with_place(error: Exception, where: str) -> None:

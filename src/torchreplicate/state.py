@@ -1,8 +1,9 @@
-"""Per-module state of a replicated module: set-up and forward hooks.
+"""Per-module state of a replicated module: set-up, re-planning and forward hooks.
 
-``ReplicateState`` decides which parameters and buffers are replicated,
-checks them across ranks, broadcasts rank 0's values, builds the reducer and
-installs the forward hooks. Gradient reduction itself is in reducer.py.
+``ReplicateState`` decides what is replicated (plan.py), checks it across
+ranks, broadcasts rank 0's values, builds the reducer, installs the forward
+hooks, and re-plans when what is replicated changes ([Note: re-planning] in
+plan.py). Gradient reduction itself is in reducer.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate import torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.grad_layout import grad_layout
+from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
 from torchreplicate.reducer import Learned, Reducer, SyncSwitch
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.registry import registration_count
 
 MiB = 1024 * 1024
 
@@ -46,30 +50,27 @@ class ReplicateState:
     def __init__(
         self, module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup] = None
     ) -> None:
-        # The registry maps module -> state weakly; a strong reference back
-        # would keep every replicated model (and its process group) alive
-        # until interpreter exit.
+        # - Identity. The registry maps module -> state weakly; a strong
+        #   reference back would keep every replicated model (and its process
+        #   group) alive until interpreter exit.
         self._module_ref = weakref.ref(module)  # the replicated root
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
-        self.params: list[nn.Parameter] = []  # replicated parameters, registration order
-        self._param_names: list[str] = []  # their fully qualified names
-        # (owner, name) of replicated buffers; owners held weakly, as the root
-        # is often one of them (see _module_ref).
-        self._buffers: list[tuple[weakref.ref[nn.Module], str]] = []
-        # How gradients are reduced: from the options, or a registered comm
-        # hook. Kept here, so every reducer built for the module (also after a
-        # re-plan) uses the same one.
+        # - What is replicated, and the stamp it was planned at ([Note: re-planning])
+        self.plan: Plan = EMPTY_PLAN
+        self._planned_stamp: tuple[int, ...] = ()
+        self._num_conversions = 0  # ReplicateModule._apply calls (.to(), .double(), ...)
+        # - Reduction. How gradients are reduced (from the options, or a
+        #   registered comm hook) and whether they are: kept here, so every
+        #   reducer built for the module (also after a re-plan) shares them.
         self.reduction: Reduction = AllReduce(config.reduce_dtype, config.gradient_divide_factor)
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
-        self._checked_at_forward = False  # first forward re-checked the parameters
-        self._num_forwards = 0  # forwards of the root so far
+        self._num_forwards = 0  # forwards of the root with gradients enabled
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
-            module.register_load_state_dict_post_hook(self._after_load_state_dict),
         ]
 
     # -- public --------------------------------------------------------------
@@ -83,9 +84,14 @@ class ReplicateState:
         return module
 
     @property
+    def params(self) -> tuple[nn.Parameter, ...]:
+        """The replicated parameters (those whose gradients are averaged), in registration order."""
+        return self.plan.params
+
+    @property
     def param_names(self) -> tuple[str, ...]:
         """Fully qualified names of the replicated parameters, as in ``named_parameters()``."""
-        return tuple(self._param_names)
+        return self.plan.names
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -142,7 +148,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = self._build_reducer()
+            self.reducer = self._build_reducer(None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -156,15 +162,33 @@ class ReplicateState:
             self.reducer.remove_hooks()
             self.reducer = None
 
-    # -- set-up ----------------------------------------------------------------
+    def without_own_hooks(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """A shallow copy of the module's ``__dict__`` without the hooks ``replicate()`` installed.
+
+        What a deep copy or a pickle of the module holds (``ReplicateModule.__reduce_ex__``).
+        """
+        drop: dict[int, set[Any]] = {}  # id(hook dict) -> our keys in it
+        for handle in self._handles:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                hooks = ref()
+                if hooks is not None:
+                    drop.setdefault(id(hooks), set()).add(handle.id)
+        copied = dict(attributes)
+        for name, value in attributes.items():
+            if isinstance(value, dict) and id(value) in drop:
+                kept = type(value)()
+                kept.update((k, v) for k, v in value.items() if k not in drop[id(value)])
+                copied[name] = kept
+        return copied
+
+    def note_conversion(self) -> None:
+        """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
+        self._num_conversions += 1
+
+    # -- set-up and re-planning ----------------------------------------------
 
     def init(self) -> None:
-        """Collects, checks and broadcasts parameters; builds the reducer.
-
-        Runs at ``replicate()`` and again at the first forward if the set of
-        replicated parameters changed in between (``fully_shard`` applied to a
-        child after ``replicate`` on the root).
-        """
+        """At ``replicate()``: plans, checks across ranks, broadcasts everything, builds the reducer."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "replicate(): torch.distributed is not initialized; call "
@@ -176,66 +200,71 @@ class ReplicateState:
         self._group = self._given_group or WeakGroup(world)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
+        plan = self._make_plan()
+        self._adopt(plan, [p.detach() for p in plan.candidates] + plan.buffer_values())
+
+    def _stamp(self) -> tuple[int, ...]:
+        # [Note: re-planning]: what moves when the plan may have changed
+        return (
+            registration_count(),
+            self._num_conversions,
+            torch_internals.num_in_backward_optimizer_params(),
+            torch_internals.num_composable_states(),
+        )
+
+    def _make_plan(self) -> Plan:
+        self._planned_stamp = self._stamp()
+        module = self.module
+        for sharded in torch_internals.fully_sharded_modules():
+            if sharded is not module and any(m is module for m in sharded.modules()):
+                raise RuntimeError(
+                    f"replicate(): this {type(module).__name__} is inside a {type(sharded).__name__} "
+                    "managed by fully_shard, which already reduces its gradients; replicate() would "
+                    "average them a second time. Apply fully_shard to children and replicate() to "
+                    "the root, or only one of them"
+                )
+        skipped = list(self.config.ignored_modules)
+        skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
+        return make_plan(module, skipped)
+
+    def _replan_if_changed(self) -> None:
+        plan = self._make_plan()
+        if not plan.same_as(self.plan):
+            self._adopt(plan, new_tensors(self.plan, plan))
+
+    def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor]) -> None:
+        # Checks the plan across ranks, broadcasts what is new to it from rank 0
+        # and builds its reducer, handing over what the previous one learned.
         learned: Optional[Learned] = None
-        if self.reducer is not None:  # a re-plan keeps what the reducer learned
+        if self.reducer is not None:
             learned = self.reducer.learned
             self.reducer.remove_hooks()
             self.reducer = None
-        names, params = self._collect_params()
-        self.params, self._param_names = params, names
-        self._buffers = list(self._collect_buffers())
-        device = self._collective_device()
-        verify_params_across_ranks(names, params, self.group, device)
-        if self.world_size > 1:
-            broadcast_coalesced([p.detach() for p in params] + self._buffer_values(), self.group)
-        if params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
+        self.plan = plan
+        verify_params_across_ranks(plan.candidate_names, plan.candidates, self.group, self._collective_device())
+        if self.world_size > 1 and to_broadcast:
+            broadcast_coalesced(to_broadcast, self.group)
+        if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self._build_reducer(learned)
 
-    def _build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
+    def _build_reducer(self, learned: Optional[Learned]) -> Reducer:
         return Reducer(
-            self.params,
-            self._param_names,
+            self.plan.params,
+            self.plan.names,
             self.group,
             bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             layout=grad_layout(self.config.gradient_as_bucket_view),
             reduction=self.reduction,
             sync=self.sync,
+            sparse=self.plan.sparse,
             learned=learned,
         )
-
-    def _skipped_modules(self) -> list[nn.Module]:
-        skipped = list(self.config.ignored_modules)
-        skipped += [m for m in self.module.modules() if m is not self.module and is_fully_sharded(m)]
-        return skipped
-
-    def _collect_params(self) -> tuple[list[str], list[nn.Parameter]]:
-        skipped_ids = {id(p) for m in self._skipped_modules() for p in m.parameters()}
-        names, params = [], []
-        for name, param in self.module.named_parameters():
-            if id(param) in skipped_ids or not param.requires_grad:
-                continue
-            names.append(name)
-            params.append(param)
-        return names, params
-
-    def _collect_buffers(self) -> Iterator[tuple[weakref.ref[nn.Module], str]]:
-        skipped_ids = {id(b) for m in self._skipped_modules() for b in m.buffers()}
-        seen: set[int] = set()
-        for module in self.module.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is None or id(buffer) in skipped_ids or id(buffer) in seen:
-                    continue
-                seen.add(id(buffer))
-                yield weakref.ref(module), name
-
-    def _buffer_values(self) -> list[torch.Tensor]:
-        return [getattr(owner(), name) for owner, name in self._buffers]
 
     def _collective_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        for tensor in list(self.params) + self._buffer_values():
+        for tensor in list(self.plan.candidates) + self.plan.buffer_values():
             return tensor.device
         return torch.device("cpu")
 
@@ -243,26 +272,25 @@ class ReplicateState:
 
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return  # no collective: one rank may evaluate alone ([Note: re-planning])
         self._num_forwards += 1
-        if not self._checked_at_forward:
-            self._checked_at_forward = True
-            current = [id(p) for p in self._collect_params()[1]]
-            if current != [id(p) for p in self.params]:
-                self.init()
-        if self.config.broadcast_buffers and self._buffers and self.world_size > 1:
+        plan = self.plan
+        if self._stamp() != self._planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
+            self._replan_if_changed()
+        if self.config.broadcast_buffers and self.plan.buffers and self.world_size > 1:
             self._broadcast_buffers()
-
-    def _after_load_state_dict(self, module: nn.Module, incompatible_keys: Any) -> None:
-        # load_state_dict(assign=True) swaps in new Parameter objects, which
-        # carry none of the reducer's hooks: re-check at the next forward.
-        self._checked_at_forward = False
 
     def _broadcast_buffers(self) -> None:
         # Out of place: a graph from an earlier forward may have saved the old
-        # tensors (two forwards through BatchNorm before one backward).
-        fresh = broadcast_coalesced(self._buffer_values(), self.group, in_place=False)
-        for (owner, name), tensor in zip(self._buffers, fresh, strict=True):
-            setattr(owner(), name, tensor)
+        # tensors (two forwards through BatchNorm before one backward). Set
+        # through _buffers, not setattr: setattr would run every global buffer
+        # registration hook, ours included ([Note: re-planning]), at every forward.
+        fresh = broadcast_coalesced(self.plan.buffer_values(), self.group, in_place=False)
+        for (owner, name), tensor in zip(self.plan.buffers, fresh, strict=True):
+            module = owner()
+            assert module is not None, "a buffer's owner outlives the plan while the root lives"
+            module._buffers[name] = tensor
 
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:

@@ -1,0 +1,56 @@
+"""Parameters with sparse gradients (``nn.Embedding(sparse=True)``), reduced outside the buckets.
+
+A sparse gradient cannot live in a flat dense bucket. Each such parameter
+gets one sparse ``all_reduce`` (gloo and NCCL both support them) at the end
+of every synchronised backward, after the buckets, in parameter order on
+every rank; a rank without a gradient sends an empty sparse tensor. Whether
+a rank has one travels in the flags with everything else, so a parameter no
+rank used keeps ``grad=None``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchreplicate.bucket import ParamSlot
+
+
+class SparseGrads:
+    """The reducer's sparse parameters.
+
+    Args:
+        slots: their slots (not laid out in any bucket).
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot]) -> None:
+        self.slots = list(slots)
+
+    def unused_here(self) -> list[int]:
+        """Indices of the sparse parameters this rank has no gradient for."""
+        return [slot.index for slot in self.slots if slot.param.grad is None]
+
+    def reduce(self, group: dist.ProcessGroup, divide_factor: float, unused_everywhere: frozenset[int]) -> None:
+        """All-reduces every sparse gradient and writes back its average (or None)."""
+        for slot in self.slots:
+            param = slot.param
+            grad = param.grad
+            if grad is None:
+                # the layout of an embedding's gradient: rows sparse, columns dense
+                grad = torch.sparse_coo_tensor(
+                    torch.empty((1, 0), dtype=torch.long, device=param.device),
+                    torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                    param.shape,
+                    check_invariants=False,
+                )
+            elif not grad.is_sparse:
+                raise RuntimeError(
+                    f"replicate(): parameter {slot.name!r} was planned for sparse gradients "
+                    f"(nn.Embedding(sparse=True)) but got a dense one; set the module's sparse "
+                    "flag before replicate() and keep it"
+                )
+            summed = grad.coalesce().clone()
+            dist.all_reduce(summed, group=group)
+            param.grad = None if slot.index in unused_everywhere else (summed / divide_factor).coalesce()

@@ -1,0 +1,91 @@
+"""Every private torch entry point the library uses, in one place.
+
+Each has no public equivalent; each was checked on torch 2.13.0 (the
+declared minimum), with the torch versions it is known to exist in. If a
+later torch moves one, this file is the only one to change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` when the autograd graph task now executing ends.
+
+    ``torch.autograd`` has no public way to run code once the current
+    ``backward()`` has finished all its work; DDP and FSDP2 use the same
+    entry point (``Variable._execution_engine.queue_callback``, since torch
+    1.x). Must be called from inside a backward pass (from a tensor or
+    gradient hook). Called from a nested backward (reentrant activation
+    checkpointing), the callback runs when that nested pass ends, which is why
+    the reducer queues it from a hook on the forward outputs, in the outermost
+    pass (see [Note: end of backward] in reducer.py).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler session is recording.
+
+    Reads ``torch.autograd.profiler._is_profiler_enabled``, the flag torch
+    keeps for exactly this kind of fast Python check (set on start and stop
+    by both ``torch.profiler.profile`` and the legacy profiler; torch >=
+    1.13). If a later torch drops it, labels are simply never recorded.
+    """
+    return getattr(torch.autograd.profiler, "_is_profiler_enabled", False) is True
+
+
+def num_in_backward_optimizer_params() -> int:
+    """How many parameters torch's ``_apply_optimizer_in_backward`` has claimed, process-wide.
+
+    Reads the length of ``torch.distributed.optim.apply_optimizer_in_backward.
+    param_to_optim_hook_handle_map`` (present since torch 2.0): a cheap stamp
+    that moves when optimizer-in-backward is applied to any parameter.
+    """
+    from torch.distributed.optim import apply_optimizer_in_backward as module
+
+    return len(getattr(module, "param_to_optim_hook_handle_map", ()))
+
+
+def remove_in_backward_optimizer_hooks(param: nn.Parameter) -> None:
+    """Removes the hooks ``_apply_optimizer_in_backward`` put on ``param``'s gradient accumulator.
+
+    Those hooks step the parameter's optimizers on the local gradient as soon
+    as it is accumulated; the reducer steps them itself once the gradient is
+    averaged. DDP does the same (``_setup_in_backward_optimizers``), reading
+    the same map (torch >= 2.0). The optimizers stay in
+    ``param._in_backward_optimizers``, where torch put them.
+    """
+    from torch.distributed.optim import apply_optimizer_in_backward as module
+
+    for handle in module.param_to_optim_hook_handle_map.get(param, []):
+        handle.remove()
+    module.param_to_optim_hook_handle_map.pop(param, None)
+
+
+def num_composable_states() -> int:
+    """How many modules hold a composable-API state (``fully_shard``, ...), process-wide.
+
+    Length of ``torch.distributed._composable_state._module_state_mapping``
+    (torch >= 2.0): a cheap stamp that moves when ``fully_shard`` is applied
+    anywhere. ``fully_shard`` swaps parameters in without the module
+    registration hooks, so this is how a replicated module notices it.
+    """
+    from torch.distributed import _composable_state
+
+    return len(_composable_state._module_state_mapping)
+
+
+def fully_sharded_modules() -> list[nn.Module]:
+    """Every live module that ``fully_shard`` was applied to (torch >= 2.6)."""
+    from torch.distributed import _composable_state
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    return [module for module in list(_composable_state._module_state_mapping) if isinstance(module, FSDPModule)]
