@@ -1,0 +1,591 @@
+"""Several hosts on one machine: network namespaces joined by rate-limited links.
+
+Multi-node code (``torchrun --nnodes 2``) needs several hosts to be tested;
+this module makes them on one Linux machine, as root, so that CI can run a
+real multi-node launch and a benchmark can run at a chosen link rate::
+
+    with HostNet(num_hosts=2, rate="1gbit") as net:
+        procs = [net.run(i, ["torchrun", ...], env=net.env(i)) for i in range(2)]
+
+    python -m torchreplicate.hostnet --hosts 2 --rate 1gbit -- torchrun ... train.py
+    python -m torchreplicate.hostnet --hosts 2 shell
+
+Each host is a network namespace with loopback up and one interface,
+``veth0``, holding ``10.213.7.<i+1>/24``. Two hosts are one veth pair; more
+hosts each have a veth to a bridge in a hub namespace. Nothing is created in
+the machine's own namespace and no host has a route beyond the /24, so no
+packet can leave the hosts; two runs at once, each in namespaces of its own,
+can use the same addresses and ports.
+
+[Note: rate limit]
+Every host's interface has an egress ``tbf`` (token bucket) at ``rate``; with a
+bridge, the hub's port towards each host has one too, so a host receives at no
+more than ``rate`` either (a switch port). ``burst`` is the bytes let through
+back to back after an idle spell: 1 ms at the rate (125 kB at 1gbit, 1.25 MB at
+10gbit), at least 32 KiB. Much smaller and the bucket empties between two
+timer wake-ups, so the link runs below its rate; much larger and a short
+message (a small bucket of gradients) crosses faster than the rate would
+allow. ``latency`` (20 ms) caps the queue at burst + 20 ms of traffic; TCP's
+small-queue back-pressure keeps a sender far below that, so packets are paced,
+not dropped. Measured on a 2-core machine: 0.93-0.95 Gbit/s at 1gbit, 1.8 at
+2gbit; at 10gbit the CPUs copying the bytes are the limit (5-6 Gbit/s there).
+
+[Note: what torchrun and gloo need in a host]
+Inside a namespace the machine's hostname still resolves to a loopback address
+(as it does on a machine with Debian's ``127.0.1.1 hostname`` line), so what
+torchrun and gloo learn from the hostname is wrong, and ``env(i)`` sets it:
+
+- ``GLOO_SOCKET_IFNAME=veth0``: else gloo binds to the hostname's address, a
+  loopback one, and tells the other ranks to connect there; init fails after
+  a few seconds ("Connection refused, remote=[127.0.0.1]:...").
+- ``PET_LOCAL_ADDR`` (torchrun's ``--local-addr``): the node that gets rank 0
+  publishes this as the workers' ``MASTER_ADDR``; by default its FQDN, which on
+  another host resolves to that host's own loopback, and those workers wait
+  for a store that is not there until the store's timeout.
+- ``PET_RDZV_CONF=is_host=1`` on host 0, ``is_host=0`` elsewhere: the c10d
+  rendezvous guesses whether to serve its store by comparing the endpoint with
+  its hostname's addresses; here no host matches, nobody serves it, and every
+  host retries connecting for minutes. So the rendezvous endpoint is host 0
+  (``10.213.7.1:PORT``).
+
+With these in the environment, the same ``torchrun --nnodes N ...
+--rdzv-endpoint 10.213.7.1:29500`` command runs in every host (an explicit
+``--rdzv-conf`` or ``--local-addr`` on the command line replaces them).
+c10d's warning "The hostname of the client socket cannot be retrieved" is
+harmless: the hosts' addresses have no names.
+
+Limits: Linux, root, iproute2 (``ip``, ``tc``), and the kernel's veth, bridge
+and tbf. ``delay`` needs the netem qdisc (``sch_netem``), absent from some
+kernels: there it raises instead of running without the delay. The hosts
+share the machine's CPUs, memory, files and hostname; only the network is
+theirs. Processes left in a host are killed when the net closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import enum
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType, TracebackType
+from typing import IO, Any, NamedTuple, Union
+
+SUBNET_PREFIX = "10.213.7"  # host i has SUBNET_PREFIX.<i+1>/24; private, and only ever inside our namespaces
+INTERFACE = "veth0"  # every host's one interface, so one command line fits every host
+MAX_HOSTS = 64
+TBF_LATENCY = "20ms"  # see [Note: rate limit]
+MIN_BURST_BYTES = 32 * 1024
+
+_NAME_PREFIX = "trh"  # torchreplicate hosts: trh<pid namespace>-<pid>-<token>-<h0|h1|...|hub|probe>
+_STALE_NAME = re.compile(rf"^{_NAME_PREFIX}(?P<pidns>\d+)-(?P<pid>\d+)-[0-9a-f]+-(?:h\d+|hub|probe)$")
+_COMMAND_TIMEOUT_S = 10.0  # any one `ip` or `tc` call
+_KILL_GRACE_S = 3.0  # SIGTERM first, then SIGKILL after this
+_RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", re.IGNORECASE)
+_RATE_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # SI, as tc reads them
+_DELAY = re.compile(r"\d+(?:\.\d+)?(?:us|ms|s)")
+
+Output = Union[int, IO[Any], None]  # what subprocess.Popen takes for stdin/stdout/stderr
+
+
+class CommandError(RuntimeError):
+    """An ``ip`` or ``tc`` command failed; carries its stderr."""
+
+    def __init__(self, argv: Sequence[str], detail: str) -> None:
+        super().__init__(f"`{' '.join(argv)}` failed: {detail}")
+        self.detail = detail  # the command's stderr, or why it did not finish
+
+
+def parse_rate(rate: str) -> float:
+    """Bits per second of a rate in tc's notation: ``"1gbit"`` -> 1e9 (SI units, as tc)."""
+    match = _RATE.fullmatch(rate.strip())
+    if match is None:
+        raise ValueError(f"HostNet: rate={rate!r} is not a rate in tc's notation; write e.g. '100mbit', '1gbit'")
+    return float(match.group(1)) * _RATE_UNIT[match.group(2).lower()]
+
+
+@dataclasses.dataclass(frozen=True)
+class NetSpec:
+    """What network to build; validated on construction."""
+
+    num_hosts: int = 2
+    """Hosts to create, 2 to ``MAX_HOSTS``."""
+    rate: str | None = "1gbit"
+    """Egress limit of every host's link in tc's notation (``"1gbit"``, ``"10gbit"``); ``None``: no limit."""
+    delay: str | None = None
+    """One-way delay added to every host's egress (``"5ms"``); needs netem, raises where it is absent."""
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.num_hosts <= MAX_HOSTS:
+            raise ValueError(f"HostNet: num_hosts={self.num_hosts}; give 2 to {MAX_HOSTS} hosts")
+        if self.rate is not None:
+            parse_rate(self.rate)
+        if self.delay is not None and _DELAY.fullmatch(self.delay) is None:
+            raise ValueError(f"HostNet: delay={self.delay!r} is not a time; write e.g. '500us', '5ms'")
+
+    @property
+    def burst_bytes(self) -> int:
+        """tbf's bucket: 1 ms at the rate, at least ``MIN_BURST_BYTES`` (see [Note: rate limit])."""
+        assert self.rate is not None
+        return max(MIN_BURST_BYTES, int(parse_rate(self.rate) / 8 / 1000))
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One host: a network namespace and its one interface."""
+
+    index: int
+    namespace: str  # for `ip netns exec NAMESPACE ...`
+    address: str  # IPv4 address of `interface`
+    interface: str = INTERFACE
+
+
+class LinkCounters(NamedTuple):
+    """Bytes through a host's interface since the net was built."""
+
+    rx_bytes: int
+    tx_bytes: int
+
+
+class NetState(enum.Enum):
+    NEW = "new"  # names chosen, nothing created
+    UP = "up"  # namespaces exist (or are being built); close() tears them down
+    CLOSED = "closed"  # torn down; cannot be started again
+
+
+class HostNet:
+    """``num_hosts`` hosts joined by links of ``rate``; a context manager.
+
+    Args:
+        num_hosts: hosts to create, 2 to ``MAX_HOSTS`` (default 2).
+        rate: egress limit of every host's link in tc's notation (default
+            ``"1gbit"``); ``None``: unlimited (as fast as the CPUs copy).
+        delay: one-way delay on every host's egress, e.g. ``"5ms"`` (default
+            ``None``). Needs the netem qdisc; where the kernel lacks it,
+            starting the net raises ``RuntimeError`` saying so.
+
+    ``start()`` (or entering the ``with``) builds the hosts, ``close()`` (or
+    leaving it, also on an exception) kills every process inside them and
+    deletes them; an ``atexit`` hook and a SIGTERM/SIGHUP handler (installed
+    where the signal had its default action) close it too. Namespaces left by a
+    run killed outright are deleted by the next start (see ``remove_stale``).
+    """
+
+    def __init__(self, *, num_hosts: int = 2, rate: str | None = "1gbit", delay: str | None = None) -> None:
+        self.spec = NetSpec(num_hosts=num_hosts, rate=rate, delay=delay)
+        # - Names, fixed here: the pid keeps concurrent processes apart and
+        #   the token concurrent nets in one process.
+        self.tag = f"{_NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.hosts = tuple(
+            Host(index=i, namespace=f"{self.tag}-h{i}", address=f"{SUBNET_PREFIX}.{i + 1}") for i in range(num_hosts)
+        )
+        # - Lifecycle: what exists now, so close() removes exactly that.
+        self.state = NetState.NEW
+        self._created: list[str] = []  # namespaces made so far, in order
+        self._processes: list[subprocess.Popen[bytes]] = []  # started by run(), reaped at close
+        self._previous_handlers: dict[int, Any] = {}  # signal -> its handler before start()
+
+    @property
+    def hub_namespace(self) -> str | None:
+        """The namespace holding the bridge (3 or more hosts), else ``None``."""
+        return f"{self.tag}-hub" if self.spec.num_hosts > 2 else None
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Every namespace this net creates: the hosts', then the hub's."""
+        hub = (self.hub_namespace,) if self.hub_namespace else ()
+        return tuple(host.namespace for host in self.hosts) + hub
+
+    def __enter__(self) -> HostNet:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self) -> HostNet:
+        """Builds the hosts; on any failure removes what was built and raises."""
+        if self.state is not NetState.NEW:
+            raise RuntimeError(f"HostNet.start(): the net is {self.state.value}; make a new HostNet")
+        ok, reason = available()
+        if not ok:
+            raise RuntimeError(f"HostNet: cannot create hosts here: {reason}")
+        remove_stale()
+        self.state = NetState.UP
+        atexit.register(self.close)
+        self._install_signal_handlers()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Kills every process inside the hosts, deletes them. Idempotent."""
+        if self.state is not NetState.UP:
+            self.state = NetState.CLOSED
+            return
+        try:
+            for process in self._processes:
+                if process.poll() is None:
+                    process.terminate()  # also reaches one that has not entered its namespace yet
+            for namespace in reversed(self._created):
+                _kill_processes_in(namespace)
+            for process in self._processes:  # reap them: killed above, or exited before
+                try:
+                    process.wait(timeout=_KILL_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=_KILL_GRACE_S)
+            for namespace in reversed(self._created):
+                _try(["ip", "netns", "delete", namespace])
+            self._created.clear()
+        finally:
+            self.state = NetState.CLOSED
+            atexit.unregister(self.close)
+            self._restore_signal_handlers()
+
+    def run(
+        self,
+        host: int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdin: Output = None,
+        stdout: Output = None,
+        stderr: Output = None,
+    ) -> subprocess.Popen[bytes]:
+        """Starts ``argv`` inside host ``host`` (``ip netns exec``); killed at ``close()`` if still running.
+
+        Args:
+            host: the host's index.
+            argv: the command and its arguments.
+            env: variables added to this process's environment (default
+                ``None``: none); ``self.env(host)`` holds what torchrun and
+                gloo need here.
+            cwd: working directory (default ``None``: this process's).
+            stdin, stdout, stderr: as for ``subprocess.Popen`` (default
+                ``None``: inherited).
+        """
+        if self.state is not NetState.UP:
+            raise RuntimeError(f"HostNet.run(): the net is {self.state.value}; run commands inside `with HostNet()`")
+        if not 0 <= host < len(self.hosts):
+            raise ValueError(f"HostNet.run(): host={host}; this net has hosts 0 to {len(self.hosts) - 1}")
+        if not argv:
+            raise ValueError("HostNet.run(): argv is empty; give the command to run")
+        process = subprocess.Popen(
+            [_tool("ip"), "netns", "exec", self.hosts[host].namespace, *argv],
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+        )
+        self._processes.append(process)
+        return process
+
+    def env(self, host: int) -> dict[str, str]:
+        """What a multi-node program needs on host ``host``: see [Note: what torchrun and gloo need in a host].
+
+        ``HOSTNET_INDEX`` and ``HOSTNET_ADDRESS`` say which host it is.
+        """
+        address = self.hosts[host].address
+        return {
+            "HOSTNET_INDEX": str(host),
+            "HOSTNET_ADDRESS": address,
+            "GLOO_SOCKET_IFNAME": INTERFACE,
+            "PET_LOCAL_ADDR": address,
+            "PET_RDZV_CONF": f"is_host={int(host == 0)}",
+        }
+
+    def counters(self, host: int) -> LinkCounters:
+        """Bytes received and sent by host ``host``'s interface so far."""
+        output = _check(["ip", "-n", self.hosts[host].namespace, "-j", "-s", "link", "show", "dev", INTERFACE])
+        stats = json.loads(output)[0]["stats64"]
+        return LinkCounters(rx_bytes=int(stats["rx"]["bytes"]), tx_bytes=int(stats["tx"]["bytes"]))
+
+    def _build(self) -> None:
+        for namespace in self.namespaces:
+            _check(["ip", "netns", "add", namespace])
+            self._created.append(namespace)
+        # Each end is made inside its namespace, never in the machine's own.
+        hub = self.hub_namespace
+        if hub is None:
+            first, second = self.hosts
+            veth = ["type", "veth", "peer", "name", INTERFACE, "netns", second.namespace]
+            _check(["ip", "link", "add", "name", INTERFACE, "netns", first.namespace, *veth])
+        else:
+            _check(["ip", "-n", hub, "link", "add", "name", "br0", "type", "bridge"])  # STP off: ports forward at once
+            _check(["ip", "-n", hub, "link", "set", "br0", "up"])
+            for host in self.hosts:
+                port = f"port{host.index}"
+                veth = ["type", "veth", "peer", "name", port, "netns", hub]
+                _check(["ip", "link", "add", "name", INTERFACE, "netns", host.namespace, *veth])
+                _check(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"])
+                self._shape(hub, port)  # the host's download: a switch port's egress
+        for host in self.hosts:
+            _check(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE])
+            _check(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+            _check(["ip", "-n", host.namespace, "link", "set", INTERFACE, "up"])
+            self._shape(host.namespace, INTERFACE)
+
+    def _shape(self, namespace: str, device: str) -> None:
+        """Delay (netem) then rate (tbf) on ``device``'s egress; see [Note: rate limit]."""
+        parent = ["root"]
+        if self.spec.delay is not None:
+            try:
+                netem = ["netem", "delay", self.spec.delay]
+                _check(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
+            except CommandError as error:
+                raise RuntimeError(
+                    f"HostNet(delay={self.spec.delay!r}): this kernel has no netem qdisc ({error.detail}), so "
+                    "the delay cannot be applied; load sch_netem (`modprobe sch_netem`) or use delay=None"
+                ) from None
+            parent = ["parent", "1:1"]
+        if self.spec.rate is not None:
+            tbf = ["tbf", "rate", self.spec.rate, "burst", str(self.spec.burst_bytes), "latency", TBF_LATENCY]
+            _check(["tc", "-n", namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", *tbf])
+
+    def _install_signal_handlers(self) -> None:
+        # Only where the signal would kill us without cleanup, and only from
+        # the main thread (Python's rule); SIGINT already raises.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                self._previous_handlers[signum] = signal.signal(signum, _exit_on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # else left: they only raise SystemExit
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+
+def available() -> tuple[bool, str]:
+    """Whether hosts can be made here, and why not: tries a namespace, a veth and a tbf."""
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces are Linux only; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return False, f"creating network namespaces needs root; this process runs as uid {os.geteuid()}"
+    for name in ("ip", "tc"):
+        if _find_tool(name) is None:
+            return False, f"`{name}` not found; install iproute2 (scripts/setup.sh does, as root with apt-get)"
+    probe = f"{_NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(3)}-probe"
+    try:
+        _check(["ip", "netns", "add", probe])
+    except CommandError as error:
+        return False, f"cannot create a network namespace: {error}"
+    try:
+        _check(["ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b"])
+        tbf = ["tbf", "rate", "1gbit", "burst", str(MIN_BURST_BYTES), "latency", TBF_LATENCY]
+        _check(["tc", "-n", probe, "qdisc", "add", "dev", "a", "root", *tbf])
+    except CommandError as error:
+        return False, f"namespaces work but veth or tbf do not: {error}"
+    finally:
+        _try(["ip", "netns", "delete", probe])
+    return True, "network namespaces, veth and tbf work here"
+
+
+def remove_stale() -> list[str]:
+    """Deletes this tool's namespaces whose creating process is dead (a run killed outright); returns them.
+
+    Only names made in this pid namespace are judged, since a pid means
+    nothing in another one.
+    """
+    listing = _check(["ip", "netns", "list"])
+    removed = []
+    for line in listing.splitlines():
+        name = line.split(" ", 1)[0]
+        match = _STALE_NAME.match(name)
+        if match is None or int(match["pidns"]) != _pid_namespace() or _is_alive(int(match["pid"])):
+            continue
+        _kill_processes_in(name)
+        _try(["ip", "netns", "delete", name])
+        removed.append(name)
+    return removed
+
+
+def _kill_processes_in(namespace: str) -> None:
+    """SIGTERM to every process in ``namespace``, SIGKILL to any left after ``_KILL_GRACE_S``."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        pids = _pids_in(namespace)
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = _pids_in(namespace)
+        if not pids:
+            return
+
+
+def _pids_in(namespace: str) -> list[int]:
+    try:
+        output = _check(["ip", "netns", "pids", namespace])
+    except CommandError:
+        return []  # the namespace is gone
+    return [int(pid) for pid in output.split() if int(pid) != os.getpid()]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _find_tool(name: str) -> str | None:
+    # /usr/sbin is often missing from PATH outside a root login shell.
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+def _tool(name: str) -> str:
+    path = _find_tool(name)
+    if path is None:
+        raise RuntimeError(f"HostNet: `{name}` not found; install iproute2")
+    return path
+
+
+def _check(argv: list[str]) -> str:
+    """Runs an ``ip``/``tc`` command within ``_COMMAND_TIMEOUT_S``; its stdout, or ``CommandError``."""
+    try:
+        result = subprocess.run(
+            [_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise CommandError(argv, f"no answer within {_COMMAND_TIMEOUT_S:.0f} s") from None
+    if result.returncode != 0:
+        raise CommandError(argv, result.stderr.strip() or f"exit status {result.returncode}")
+    return result.stdout
+
+
+def _try(argv: list[str]) -> None:
+    """As ``_check``, for clean-up: a failure is reported, not raised, so the rest still runs."""
+    try:
+        _check(argv)
+    except (CommandError, RuntimeError) as error:
+        print(f"hostnet: clean-up step failed: {error}", file=sys.stderr)
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `with HostNet()`, which tears down
+
+
+def _forward_lines(prefix: str, source: IO[bytes]) -> None:
+    for line in iter(source.readline, b""):
+        sys.stdout.buffer.write(prefix.encode() + line)
+        sys.stdout.buffer.flush()
+
+
+def _exit_status(code: int) -> int:
+    return code if code >= 0 else 128 - code  # -N: killed by signal N, as a shell reports it
+
+
+def _run_shell(net: HostNet, timeout_s: float) -> int:
+    print("host 0's shell; leave it to delete the hosts", file=sys.stderr)
+    shell = net.run(0, [os.environ.get("SHELL", "/bin/sh")], env=net.env(0))
+    try:
+        return _exit_status(shell.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        return 124
+
+
+def _run_everywhere(net: HostNet, command: Sequence[str], timeout_s: float) -> int:
+    """Runs ``command`` in every host, output prefixed ``[hostI]``; the first failure's status, 0, or 124."""
+    processes = [
+        net.run(host.index, command, env=net.env(host.index), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for host in net.hosts
+    ]
+    forwarders = [
+        threading.Thread(target=_forward_lines, args=(f"[host{i}] ", process.stdout), daemon=True)
+        for i, process in enumerate(processes)
+    ]
+    for forwarder in forwarders:
+        forwarder.start()
+    # Until all exit, one fails (the others would wait for it), or the time is up.
+    status = 124
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [process.poll() for process in processes]
+        failures = [code for code in codes if code]
+        if failures or all(code == 0 for code in codes):
+            status = _exit_status(failures[0]) if failures else 0
+            break
+        time.sleep(0.1)
+    else:
+        print(f"hostnet: timed out after {timeout_s:.0f} s; killing every host's processes", file=sys.stderr)
+    net.close()  # kills what is left, which ends the output
+    for forwarder in forwarders:
+        forwarder.join(timeout=_KILL_GRACE_S)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: ``python -m torchreplicate.hostnet [--hosts N] [--rate R] (shell | -- COMMAND ...)``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchreplicate.hostnet",
+        description="Run COMMAND in each of N hosts (network namespaces joined by rate-limited links), "
+        "then delete them. Each host gets the variables of HostNet.env(i), so one torchrun line fits all: "
+        "torchrun --nnodes N ... --rdzv-backend c10d --rdzv-endpoint 10.213.7.1:29500 --rdzv-id JOB train.py",
+    )
+    parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    parser.add_argument("--rate", default="1gbit", help="link rate in tc's notation, or 'none' (default 1gbit)")
+    parser.add_argument("--delay", default=None, help="one-way delay, e.g. 5ms (needs netem; default none)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="'shell', or '-- COMMAND ARGS' for every host")
+    options = parser.parse_args(argv)
+    command = options.command[1:] if options.command[:1] == ["--"] else options.command
+    if not command:
+        parser.error("give 'shell' or '-- COMMAND ARGS'")
+    try:
+        net = HostNet(
+            num_hosts=options.hosts, rate=None if options.rate == "none" else options.rate, delay=options.delay
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        net.start()
+    except RuntimeError as error:
+        print(f"hostnet: {error}", file=sys.stderr)
+        return 1
+    try:
+        for host in net.hosts:
+            variables = " ".join(f"{key}={value}" for key, value in net.env(host.index).items())
+            print(
+                f"host {host.index}: {host.address} on {host.interface}; a shell there: "
+                f"ip netns exec {host.namespace} env {variables} bash",
+                file=sys.stderr,
+            )
+        return (
+            _run_shell(net, options.timeout) if command == ["shell"] else _run_everywhere(net, command, options.timeout)
+        )
+    finally:
+        net.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
