@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from torch.nn.modules import module as torch_module
 
 if TYPE_CHECKING:
@@ -29,7 +30,10 @@ class _RegistrationCounter:
         self.count = 0  # registrations seen since installed
         self.handles: list[Any] = []  # torch's global hook handles; empty until installed
 
+    @torch.compiler.disable
     def __call__(self, module: Any, name: str, value: Any) -> None:
+        # Never traced: torch.compile itself registers modules (OptimizedModule._orig_mod),
+        # and tracing this hook there fails inside Dynamo.
         self.count += 1  # returning None leaves the registration unchanged
 
     def install(self) -> None:

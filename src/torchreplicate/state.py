@@ -270,6 +270,7 @@ class ReplicateState:
 
     # -- forward hooks -------------------------------------------------------
 
+    @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
@@ -292,6 +293,7 @@ class ReplicateState:
             assert module is not None, "a buffer's owner outlives the plan while the root lives"
             module._buffers[name] = tensor
 
+    @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         reducer = self.reducer
@@ -311,8 +313,9 @@ class _OutputGradHook:
     def __init__(self, reducer: Reducer) -> None:
         self.reducer = reducer
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         self.reducer.queue_finalize()
+        return grad  # not None: traced under compiled autograd, the return value is the gradient
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
