@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from torchreplicate.diagnostics import format_param_mismatch
+from torchreplicate.diagnostics import format_option_mismatch, format_param_mismatch
 
 
 class WeakGroup:
@@ -57,9 +57,11 @@ def _dtype_text(param: torch.Tensor) -> str:
     return text if param.requires_grad else text + " (frozen)"
 
 
-def fingerprint(description: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
-    """A 63-bit digest of a parameter description, equal iff the descriptions are."""
-    digest = hashlib.sha256(repr(list(description)).encode()).digest()
+def fingerprint(
+    description: Sequence[tuple[str, tuple[int, ...], str]], options: Optional[dict[str, str]] = None
+) -> int:
+    """A 63-bit digest of a parameter description (and options), equal iff they are."""
+    digest = hashlib.sha256(repr((list(description), sorted((options or {}).items()))).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
@@ -69,28 +71,41 @@ def verify_params_across_ranks(
     params: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     device: torch.device,
+    options: Optional[dict[str, str]] = None,
 ) -> None:
-    """Checks that every rank holds the same parameters (names, shapes, dtypes).
+    """Checks that every rank holds the same parameters (names, shapes, dtypes) and options.
 
     One all-gather of a digest on the happy path. On a mismatch, every rank
     has seen it in the gathered digests, so every rank gathers the full
     descriptions (a second, agreed collective) and raises the same error.
 
+    Args:
+        names: the parameters' fully qualified names.
+        params: the parameters.
+        group: the process group.
+        device: where the digest travels (the group's backend device).
+        options: ``replicate()`` options that decide the collectives (bucket
+            caps, wire dtype); ranks that differ there would send buckets of
+            different sizes, which gloo answers by aborting the process.
+
     Raises:
-        RuntimeError: on every rank, naming the first differing parameter and
-            what each rank has.
+        RuntimeError: on every rank, naming the first differing option or
+            parameter and what each rank has.
     """
     description = describe_params(names, params)
+    options = options or {}
     world_size = dist.get_world_size(group)
-    local = torch.tensor([fingerprint(description)], dtype=torch.int64, device=device)
+    local = torch.tensor([fingerprint(description, options)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local, group=group)
     digests = [int(t.item()) for t in gathered]
     if len(set(digests)) == 1:
         return
-    per_rank: list = [None] * world_size
-    dist.all_gather_object(per_rank, description, group=group)
-    raise RuntimeError(format_param_mismatch(per_rank, dist.get_rank(group)))
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, (description, options), group=group)
+    rank = dist.get_rank(group)
+    option_message = format_option_mismatch([o for _, o in per_rank], rank)
+    raise RuntimeError(option_message or format_param_mismatch([d for d, _ in per_rank], rank))
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 
@@ -37,3 +37,74 @@ def format_param_mismatch(per_rank: Sequence[ParamDescription], this_rank: int) 
         if len(d) > width:
             extra.append(f"rank {r} also has {d[width][0]!r}")
     return f"{head}Different numbers of parameters ({listing}); {'; '.join(extra)}.{fix}"
+
+
+def format_option_mismatch(per_rank: Sequence[dict[str, str]], this_rank: int) -> str:
+    """Names the first ``replicate()`` option the ranks disagree on ('' if none).
+
+    Args:
+        per_rank: each rank's options that decide the collectives.
+        this_rank: the rank raising, named in the message.
+    """
+    for option in sorted({key for options in per_rank for key in options}):
+        values = [options.get(option) for options in per_rank]
+        if len(set(values)) > 1:
+            listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            return (
+                f"replicate(): rank {this_rank}: the ranks called replicate() with different "
+                f"{option} ({listing}), so their buckets would not match. Pass the same options "
+                "on every rank"
+            )
+    return ""
+
+
+class DesyncReport(NamedTuple):
+    """What each rank tells the others after the flags said the ranks disagree.
+
+    Attributes:
+        rank: the group rank.
+        clock: optimizer steps it took over the module's parameters.
+        layout_digest: a digest of its bucket layout.
+    """
+
+    rank: int
+    clock: int
+    layout_digest: int
+
+
+def format_desync(reports: Sequence[DesyncReport], this_rank: int, backward: int, clocks_agree: bool) -> str:
+    """Explains a desync ([Note: desync detection] in flags.py), naming the ranks.
+
+    Args:
+        reports: every rank's report, by rank.
+        this_rank: the rank raising.
+        backward: synchronised backwards this rank completed before this one.
+        clocks_agree: whether the training clocks agreed (else the layouts differ).
+    """
+    head = f"replicate(): rank {this_rank}: synchronised backward {backward}: "
+    if not clocks_agree:
+        by_clock: dict[int, list[int]] = {}
+        for report in reports:
+            by_clock.setdefault(report.clock, []).append(report.rank)
+        listing = ", ".join(
+            f"{_ranks(ranks)} at step {clock}" for clock, ranks in sorted(by_clock.items(), reverse=True)
+        )
+        return (
+            f"{head}the ranks are at different training steps ({listing}; steps counted as optimizer "
+            "steps over this module's parameters): a rank ran an extra backward or skipped one, so "
+            "gradients of different steps were being averaged together. Every rank must run the same "
+            "sequence of forward, backward and optimizer.step()"
+        )
+    by_layout: dict[int, list[int]] = {}
+    for report in reports:
+        by_layout.setdefault(report.layout_digest, []).append(report.rank)
+    groups = "; ".join(_ranks(ranks) for ranks in by_layout.values())
+    return (
+        f"{head}the ranks' bucket layouts differ (same layout within: {groups}): the replicated "
+        "parameters changed on some ranks only (a layer frozen, unfrozen, added or converted). "
+        "Make the same change on every rank, at the same step"
+    )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)

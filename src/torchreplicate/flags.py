@@ -4,6 +4,22 @@ See [Note: one collective sequence] in reducer.py. The flags are a few
 elements that travel in the same all-reduce as the last bucket (or, with a
 comm hook, in one all-reduce of their own); every rank reads the same sums,
 so every rank takes the same decision.
+
+[Note: desync detection]
+Ranks that run a different number of backwards (one ran an extra backward,
+or skipped one) still pair their collectives one by one: the k-th
+all-reduce of one rank meets the k-th of the other, so the gradients of
+different training steps get averaged together, silently. A counter of
+synchronised backwards cannot see it (it counts the pairing itself). What
+differs is the training clock: how many optimizer steps each rank took (an
+optimizer over the module's parameters; registry.py counts them), and, after
+a divergent re-plan, the bucket layout. Each value travels as residues: for
+every modulus m in MODULI, a one-hot block of m elements with a 1 at
+``value % m``. Summed over ranks, a block has one non-zero element exactly
+when all ranks share that residue, so "all ranks agree" is exact in any wire
+dtype (sums of ones up to the world size), and values that differ by less
+than the product of the moduli (2310) always disagree somewhere. A mismatch
+raises on every rank after one more agreed collective that names the ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +28,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
+_RESIDUE_WIDTH = sum(MODULI)
+
 
 class FlagSums(NamedTuple):
     """What the summed flags say, the same on every rank.
@@ -19,15 +38,39 @@ class FlagSums(NamedTuple):
     Attributes:
         unused_everywhere: indices of parameters no rank holds a gradient for.
         any_late: some rank had a gradient arrive after its bucket was launched.
+        clocks_agree: every rank reported the same training clock (optimizer steps).
+        layouts_agree: every rank reported the same bucket layout.
     """
 
     unused_everywhere: frozenset[int]
     any_late: bool
+    clocks_agree: bool = True
+    layouts_agree: bool = True
 
 
 def num_flags(num_params: int) -> int:
     """How many elements the flags of ``num_params`` parameters take."""
-    return num_params + 1
+    return num_params + 1 + 2 * _RESIDUE_WIDTH
+
+
+def one_hot_residues(value: int) -> list[float]:
+    """``value`` as one-hot residue blocks, one per modulus in ``MODULI``."""
+    out: list[float] = []
+    for modulus in MODULI:
+        block = [0.0] * modulus
+        block[value % modulus] = 1.0
+        out += block
+    return out
+
+
+def residues_agree(sums: Sequence[float]) -> bool:
+    """Whether summed one-hot residue blocks came from equal values on every rank."""
+    offset = 0
+    for modulus in MODULI:
+        if sum(1 for x in sums[offset : offset + modulus] if x != 0) != 1:
+            return False
+        offset += modulus
+    return True
 
 
 class StepFlags:
@@ -35,25 +78,31 @@ class StepFlags:
 
     Layout: element ``i < num_params`` is 1 where this rank holds a gradient
     for parameter ``i``; element ``num_params`` is 1 where a gradient arrived
-    after its bucket was launched (a late round follows).
+    after its bucket was launched (a late round follows); then the residues
+    of the training clock and of the layout digest ([Note: desync detection]).
 
     Args:
         tail: where the flags travel (``num_flags(num_params)`` elements).
         num_params: number of reduced parameters.
+        layout_digest: a digest of the bucket layout, equal on ranks that agree.
     """
 
-    def __init__(self, tail: torch.Tensor, num_params: int) -> None:
+    def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int) -> None:
         assert tail.numel() == num_flags(num_params), (tail.numel(), num_params)
         self.tail = tail  # a view into the last bucket's wire, or the hook path's own tensor
         self.num_params = num_params
-        # An ordinary step: a gradient for every parameter, nothing late.
+        # An ordinary step: a gradient for every parameter, nothing late; the
+        # clock's residues are written at each step, the layout's once here.
         self.ordinary = torch.ones_like(tail)
-        self.ordinary[num_params] = 0
+        self.ordinary[num_params:] = 0
+        layout_at = num_params + 1 + _RESIDUE_WIDTH
+        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=tail.dtype)
+        self._clock_cache: tuple[int, torch.Tensor] = (-1, self.ordinary)  # (clock, ordinary with its residues)
 
-    def write(self, unused_here: Sequence[int], late: bool) -> None:
+    def write(self, unused_here: Sequence[int], late: bool, clock: int) -> None:
         """Fills the tail with this rank's flags."""
         tail = self.tail
-        tail.copy_(self.ordinary)
+        tail.copy_(self._ordinary_at(clock))
         if unused_here:
             tail[torch.tensor(unused_here, device=tail.device)] = 0
         if late:
@@ -62,8 +111,21 @@ class StepFlags:
     def read(self, unused_here: Sequence[int]) -> FlagSums:
         """Reads the summed flags (after the all-reduce)."""
         tail = self.tail
-        any_late = bool(tail[self.num_params].item() > 0)
-        if not unused_here:
-            return FlagSums(frozenset(), any_late)  # used here, so used somewhere
-        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
-        return FlagSums(frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0), any_late)
+        n = self.num_params
+        rest = tail[n:].tolist()  # one transfer: late flag, then both residue blocks
+        clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
+        layouts_agree = residues_agree(rest[1 + _RESIDUE_WIDTH :])
+        unused_everywhere: frozenset[int] = frozenset()
+        if unused_here:  # used here means used somewhere
+            counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
+            unused_everywhere = frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)
+        return FlagSums(unused_everywhere, rest[0] > 0, clocks_agree, layouts_agree)
+
+    def _ordinary_at(self, clock: int) -> torch.Tensor:
+        cached_clock, template = self._clock_cache
+        if cached_clock != clock:  # once per optimizer step, not per backward
+            template = self.ordinary.clone()
+            at = self.num_params + 1
+            template[at : at + _RESIDUE_WIDTH] = torch.tensor(one_hot_residues(clock), dtype=template.dtype)
+            self._clock_cache = (clock, template)
+        return template

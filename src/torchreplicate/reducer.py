@@ -50,8 +50,9 @@ same nesting (tests/dynamic_cases.py: other_method_checkpointed).
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup
-from torchreplicate.flags import StepFlags, num_flags
+from torchreplicate.diagnostics import DesyncReport, format_desync
+from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
 from torchreplicate.profiling import labelled
 from torchreplicate.reduction import Reduction
@@ -80,6 +82,26 @@ class SyncSwitch:
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
+
+
+class TrainingClock:
+    """A module's training clock: optimizer steps over its parameters ([Note: desync detection]).
+
+    Shared by the module's state (which sets the parameters to watch at each
+    plan) and its reducers (which send the clock with the flags); the
+    registry's optimizer hook advances it.
+    """
+
+    __slots__ = ("steps", "param_ids")
+
+    def __init__(self) -> None:
+        self.steps = 0  # optimizer steps that touched the module's replicated parameters
+        self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
+
+    def note_step(self, optimizer_param_ids: frozenset[int]) -> None:
+        """Counts an optimizer step if it holds one of the module's parameters."""
+        if not self.param_ids.isdisjoint(optimizer_param_ids):
+            self.steps += 1
 
 
 class Learned(NamedTuple):
@@ -107,6 +129,7 @@ class Reducer:
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
         sync: the module's gradient-sync switch.
+        clock: the module's training clock (sent with the flags).
         sparse: identities of the parameters with sparse gradients (sparse.py).
         learned: what the previous reducer of the module learned (a re-plan).
 
@@ -125,6 +148,7 @@ class Reducer:
         layout: GradLayout,
         reduction: Reduction,
         sync: SyncSwitch,
+        clock: TrainingClock,
         sparse: frozenset[int] = frozenset(),
         learned: Optional[Learned] = None,
     ) -> None:
@@ -133,6 +157,7 @@ class Reducer:
         self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
         self.layout = layout
         self.sync = sync
+        self.clock = clock
         self.slots = [
             ParamSlot(i, p, n, learned.expected.get(id(p), 0))
             for i, (p, n) in enumerate(zip(params, names, strict=True))
@@ -150,7 +175,7 @@ class Reducer:
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
-        self.flags = StepFlags(reduction.bind(self.buckets, num_flags(len(self.slots)), self._group), len(self.slots))
+        self.flags = self._bind(reduction)
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
         # - Per step: replaced at the end of each synchronised backward
@@ -218,7 +243,18 @@ class Reducer:
                 "step(s); register the hook before the first backward"
             )
         self.reduction = reduction
-        self.flags = StepFlags(reduction.bind(self.buckets, num_flags(len(self.slots)), self._group), len(self.slots))
+        self.flags = self._bind(reduction)
+
+    def _bind(self, reduction: Reduction) -> StepFlags:
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), self._group)
+        return StepFlags(tail, len(self.slots), self.layout_digest)
+
+    @property
+    def layout_digest(self) -> int:
+        """A digest of the bucket layout: equal on ranks whose buckets match."""
+        layout = [[(s.name, tuple(s.param.shape), str(s.dtype)) for s in b.slots] for b in self.buckets]
+        layout.append([(s.name, tuple(s.param.shape), str(s.dtype)) for s in self.sparse.slots])
+        return int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:8], "little")
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -327,12 +363,14 @@ class Reducer:
                 if not self.layout.fill(slot, step, self.reduction):
                     unused_here.append(slot.index)
             if bucket is self.buckets[-1]:
-                self.flags.write(unused_here, step.late)
+                self.flags.write(unused_here, step.late, self.clock.steps)
             self._launch(bucket, step)
         for bucket in self.buckets:
             self._wait(bucket)
         self.reduction.reduce_flags()
         sums = self.flags.read(unused_here)
+        if not (sums.clocks_agree and sums.layouts_agree):
+            self._raise_desync(sums)
         late_grads = self.layout.restore(self.buckets, step, sums, num_early)
         if sums.any_late:
             self._reduce_late(late_grads)
@@ -344,6 +382,15 @@ class Reducer:
                 for optimizer in slot.optimizers:
                     optimizer.step()
                 slot.param.grad = None  # as torch's optimizer-in-backward leaves it
+
+    def _raise_desync(self, sums: FlagSums) -> None:
+        # Every rank read the same sums, so every rank is here: one more agreed
+        # collective gathers who is where ([Note: desync detection] in flags.py).
+        group = self.group
+        mine = DesyncReport(dist.get_rank(group), self.clock.steps, self.layout_digest)
+        reports: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, mine, group=group)
+        raise RuntimeError(format_desync(reports, mine.rank, self.num_steps, sums.clocks_agree))
 
     @labelled("wait")
     def _wait(self, bucket: Bucket) -> None:

@@ -4,9 +4,11 @@
 registry refuses a second application and answers ``replicate.state(module)``.
 Entries are held weakly, so a discarded model frees its state.
 
-It also keeps the process-wide registration counter of [Note: re-planning]
-(plan.py): torch's global module registration hooks bump it whenever any
-module registers a parameter, buffer or submodule.
+It also keeps two process-wide counters fed by torch's global hooks: the
+registration counter of [Note: re-planning] (plan.py), bumped whenever any
+module registers a parameter, buffer or submodule, and each replicated
+module's optimizer steps, its training clock ([Note: desync detection] in
+flags.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.nn.modules import module as torch_module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 if TYPE_CHECKING:
     from torchreplicate.state import ReplicateState
@@ -48,6 +51,40 @@ class _RegistrationCounter:
 _REGISTRATIONS = _RegistrationCounter()
 
 
+class _OptimizerSteps:
+    """Counts each replicated module's optimizer steps: its training clock.
+
+    One global optimizer step post-hook (torch's public
+    ``register_optimizer_step_post_hook``) adds a step to every replicated
+    module whose parameters the stepped optimizer holds ([Note: desync
+    detection] in flags.py).
+    """
+
+    def __init__(self) -> None:
+        self.handle: Any = None  # torch's hook handle; None until installed
+        # optimizer -> (its param_groups' shape when read, ids of its parameters)
+        self.params_of: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], frozenset[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @torch.compiler.disable
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        shape = tuple(len(group["params"]) for group in optimizer.param_groups)
+        cached = self.params_of.get(optimizer)
+        if cached is None or cached[0] != shape:
+            ids = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
+            cached = self.params_of[optimizer] = (shape, ids)
+        for state in list(_STATES.values()):
+            state.clock.note_step(cached[1])
+
+    def install(self) -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_post_hook(self)
+
+
+_OPTIMIZER_STEPS = _OptimizerSteps()
+
+
 def registration_count() -> int:
     """Parameter, buffer and submodule registrations on any module since the first ``replicate()``."""
     return _REGISTRATIONS.count
@@ -61,6 +98,7 @@ def register_state(module: object, state: ReplicateState) -> None:
             "applying it twice is not supported; call it once on the root module"
         )
     _REGISTRATIONS.install()
+    _OPTIMIZER_STEPS.install()
     _STATES[module] = state
 
 

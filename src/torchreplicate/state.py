@@ -22,7 +22,7 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
-from torchreplicate.reducer import Learned, Reducer, SyncSwitch
+from torchreplicate.reducer import Learned, Reducer, SyncSwitch, TrainingClock
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.registry import registration_count
 
@@ -66,6 +66,7 @@ class ReplicateState:
         #   reducer built for the module (also after a re-plan) shares them.
         self.reduction: Reduction = AllReduce(config.reduce_dtype, config.gradient_divide_factor)
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
+        self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         self._num_forwards = 0  # forwards of the root with gradients enabled
         self._handles = [
@@ -241,11 +242,24 @@ class ReplicateState:
             self.reducer.remove_hooks()
             self.reducer = None
         self.plan = plan
-        verify_params_across_ranks(plan.candidate_names, plan.candidates, self.group, self._collective_device())
+        self.clock.param_ids = frozenset(id(p) for p in plan.params)
+        verify_params_across_ranks(
+            plan.candidate_names, plan.candidates, self.group, self._collective_device(), self._wire_options()
+        )
         if self.world_size > 1 and to_broadcast:
             broadcast_coalesced(to_broadcast, self.group)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self._build_reducer(learned)
+
+    def _wire_options(self) -> dict[str, str]:
+        # What decides the size and order of every collective: it must agree.
+        config = self.config
+        return {
+            "bucket_cap_mb": str(config.bucket_cap_mb),
+            "first_bucket_cap_mb": str(config.first_bucket_cap_mb),
+            "reduce_dtype": str(config.reduce_dtype),
+            "broadcast_buffers": str(config.broadcast_buffers),
+        }
 
     def _build_reducer(self, learned: Optional[Learned]) -> Reducer:
         return Reducer(
@@ -257,6 +271,7 @@ class ReplicateState:
             layout=grad_layout(self.config.gradient_as_bucket_view),
             reduction=self.reduction,
             sync=self.sync,
+            clock=self.clock,
             sparse=self.plan.sparse,
             learned=learned,
         )
