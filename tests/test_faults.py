@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing
+import os
+import queue
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.diagnostics import DesyncReport, format_desync
+from torchreplicate.launcher import free_port
 
 DIM = 8
 
@@ -101,3 +110,204 @@ def test_different_options_are_refused_before_any_bucket_travels(pools):
     for rank, message in enumerate(pools.run(2, mismatched_options)):
         assert f"replicate(): rank {rank}: the ranks called replicate() with different bucket_cap_mb" in message
         assert "rank 0: 25, rank 1: 10" in message, message
+
+
+# -- stalls and dead peers: fresh processes, real exits ---------------------------------
+
+STALL_S = 3.0  # replicate(stall_timeout=...) in these tests
+PG_TIMEOUT_S = 60  # the process group's own timeout: the watchdog must beat it by far
+
+
+class Outcome(NamedTuple):
+    """How one rank of ``run_ranks`` ended."""
+
+    exitcode: Optional[int]  # None: still running at the deadline (then killed)
+    result: Any  # what the rank function returned, or None
+    error: str  # the error it raised (str), or ""
+    waited_s: float  # seconds from its last mark to the error (see mark())
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    from torchreplicate.launcher import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+    marks = [time.monotonic()]
+    try:
+        value = fn(rank, world_size, marks, *args)
+    except RuntimeError as error:
+        results.put((rank, None, str(error), time.monotonic() - marks[-1]))
+        raise SystemExit(1) from None
+    results.put((rank, value, "", 0.0))
+    dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 90) -> list[Outcome]:
+    """Runs ``fn(rank, world_size, marks, *args)`` in fresh processes; never kills a rank early.
+
+    ``marks`` is a list the function appends ``time.monotonic()`` to; an
+    error's ``waited_s`` counts from the last mark. Every process is killed at
+    the deadline (then its exitcode is None).
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    end = time.monotonic() + deadline_s
+    for process in processes:
+        process.join(max(0.1, end - time.monotonic()))
+    exitcodes = []
+    for process in processes:
+        exitcodes.append(process.exitcode)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+    reported: dict[int, tuple] = {}
+    while len(reported) < world_size:
+        try:
+            rank, value, error, waited = results.get(timeout=1)
+        except queue.Empty:
+            break
+        reported[rank] = (value, error, waited)
+    return [Outcome(exitcodes[r], *reported.get(r, (None, "", 0.0))) for r in range(world_size)]
+
+
+def train_steps(rank: int, marks: list[float], steps: int, stall: Callable[[int, nn.Module], None]) -> int:
+    model = replicate(seeded(_net, 0), stall_timeout=STALL_S)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        stall(step, model)
+        loss = model(data(rank, step)).pow(2).mean()
+        marks.append(time.monotonic())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps
+
+
+def late_rank(rank: int, world_size: int, marks: list[float]) -> int:
+    """Rank 1 spends 12 s alone before step 2's forward (a long evaluation, a barrier elsewhere)."""
+
+    def stall(step: int, model: nn.Module) -> None:
+        if rank == 1 and step == 2:
+            time.sleep(12)
+
+    return train_steps(rank, marks, 4, stall)
+
+
+def test_a_late_rank_is_named_by_every_waiting_rank_within_the_stall_timeout():
+    outcomes = run_ranks(late_rank, 3)
+    for rank in (0, 2):
+        out = outcomes[rank]
+        assert out.exitcode == 1, f"rank {rank}: {out}"
+        assert out.error.startswith(f"replicate(): rank {rank}: bucket 0 ("), out.error
+        assert f"of step 2 waited more than {STALL_S:g} s" in out.error, out.error
+        assert "rank 1 has been in user code after the backward of step 2 for" in out.error, out.error
+        assert "ranks 0, 2 wait in bucket 0" in out.error, out.error
+        # the stall timeout, two heartbeat periods of diagnosis, and room for a busy machine
+        assert out.waited_s < STALL_S + 2 * 0.5 + 4, f"rank {rank} took {out.waited_s:.1f} s"
+    # the late rank meets closed connections: a clean error too (its peers,
+    # and the store rank 0 hosted, may be gone by then)
+    late = outcomes[1]
+    assert late.exitcode == 1 and late.error.startswith("replicate(): rank 1:"), late
+
+
+def dead_peer(rank: int, world_size: int, marks: list[float]) -> int:
+    """Rank 1's process dies inside its backward at step 2."""
+
+    class DieInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            os._exit(3)
+
+    model = replicate(seeded(_net, 0), stall_timeout=STALL_S)
+    for step in range(4):
+        out = model(data(rank, step))
+        time.sleep(0.6)  # a step longer than a heartbeat period (0.5 s): the last report is this step's
+        if rank == 1 and step == 2:
+            out = DieInBackward.apply(out)
+        marks.append(time.monotonic())
+        out.pow(2).mean().backward()
+        model.zero_grad()
+    return 4
+
+
+def test_a_dead_peer_is_named_with_the_step_the_bucket_and_gloo_s_text():
+    outcomes = run_ranks(dead_peer, 2)
+    assert outcomes[1].exitcode == 3, outcomes[1]
+    survivor = outcomes[0]
+    assert survivor.exitcode == 1, survivor  # a clean Python exit, no abort, no hang
+    message = survivor.error
+    assert message.startswith("replicate(): rank 0: bucket 0 (") and "of step 2 failed" in message, message
+    assert "rank 1 is gone (its process, pid" in message, message
+    assert "ward of step 2)" in message, message  # its last report: forward or backward of step 2
+    assert "Connection" in message or "connection" in message, "gloo's own text must stay in the message's cause"
+    assert survivor.waited_s < STALL_S + 4, f"took {survivor.waited_s:.1f} s"
+
+
+def extra_step_then_exit(rank: int, world_size: int, marks: list[float]) -> int:
+    """Rank 0 runs one step more than rank 1, which then exits normally."""
+    return train_steps(rank, marks, 4 if rank == 0 else 3, lambda step, model: None)
+
+
+def test_an_extra_step_on_one_rank_names_the_rank_that_left():
+    outcomes = run_ranks(extra_step_then_exit, 2)
+    assert outcomes[1].exitcode == 0 and outcomes[1].result == 3, outcomes[1]
+    message = outcomes[0].error
+    assert outcomes[0].exitcode == 1, outcomes[0]
+    assert "replicate(): rank 0:" in message and "of step 3" in message, message
+    assert "rank 1" in message, message
+
+
+def slow_but_healthy(rank: int, world_size: int, marks: list[float]) -> int:
+    """Steps where one rank is late by less than the stall timeout, and a no-grad evaluation on one rank."""
+
+    def stall(step: int, model: nn.Module) -> None:
+        if rank == step % world_size:
+            time.sleep(STALL_S * 0.5)
+        if rank == 0 and step == 3:  # a slow evaluation on rank 0 alone
+            with torch.no_grad():
+                model(data(0, 99))
+            time.sleep(STALL_S * 0.6)
+
+    return train_steps(rank, marks, 8, stall)
+
+
+def test_healthy_slow_steps_never_trip_the_watchdog():
+    outcomes = run_ranks(slow_but_healthy, 2)
+    assert [(o.exitcode, o.result, o.error) for o in outcomes] == [(0, 8, ""), (0, 8, "")]
+
+
+def test_who_is_where_sentence():
+    from torchreplicate.watchdog import Note, describe_notes
+
+    def note(rank, phase, step=12, seconds=1.0, failed=False, alive=True):
+        return Note(rank, phase, step, seconds, failed, "hostA", 100 + rank, 7, alive)
+
+    notes = [
+        note(0, "bucket 0 ('w')"),
+        note(1, "forward", seconds=63.4),
+        note(2, "bucket 0 ('w')", failed=True, alive=False),
+        note(3, "backward", alive=False),
+    ]
+    sentence = describe_notes(notes, 0, silence_s=1.0)
+    assert "rank 1 has been in forward of step 12 for 63 s" in sentence, sentence
+    assert "rank 3 is gone (its process, pid 103 on hostA, sent no heartbeat in 1.0 s" in sentence, sentence
+    assert "was backward of step 12)" in sentence, sentence
+    assert sentence.endswith("ranks 0, 2 wait in bucket 0 ('w') of step 12"), sentence

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import functools
+from datetime import timedelta
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
@@ -125,6 +126,7 @@ def replicate(
     static_graph: bool = False,
     reduce_dtype: Optional[torch.dtype] = None,
     gradient_divide_factor: Optional[float] = None,
+    stall_timeout: Union[float, timedelta, None] = 60.0,
 ) -> nn.Module:
     """Makes ``module`` a data-parallel replica, in place, and returns it.
 
@@ -162,6 +164,13 @@ def replicate(
         gradient_divide_factor: the reduced sum is divided by this. Default
             None: the world size (a mean). 1 gives a sum, for losses normalised
             by a global token count (see the README).
+        stall_timeout: seconds (or a ``timedelta``) a reducer collective may
+            wait for the other ranks before every waiting rank raises an
+            error naming the ranks missing and where they are (see
+            watchdog.py). A rank that works alone longer than this between
+            steps (saving a large checkpoint on rank 0) needs a larger value.
+            Default 60; None turns the watchdog off (the process group's
+            timeout applies, 30 minutes on gloo).
 
     Returns:
         ``module`` itself.
@@ -190,6 +199,7 @@ def replicate(
         static_graph=static_graph,
         reduce_dtype=reduce_dtype,
         gradient_divide_factor=gradient_divide_factor,
+        stall_timeout=stall_timeout,
     )
     if find_unused_parameters:
         warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")

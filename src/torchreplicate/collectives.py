@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,36 @@ def verify_params_across_ranks(
     raise RuntimeError(option_message or format_param_mismatch([d for d, _ in per_rank], rank))
 
 
+_TRANSPORT_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "Timed out", "timed out", "pair closure")
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
+    text = str(error)
+    return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, timeout: Optional[timedelta] = None, *, async_op: bool = False
+) -> Optional[dist.Work]:
+    """``dist.all_reduce`` (a sum), with a per-operation ``timeout`` when given.
+
+    With a timeout, gloo ends the operation itself when a peer does not come
+    ([Note: stall watchdog] in watchdog.py): the same call ``dist.all_reduce``
+    makes (``ProcessGroup.allreduce``), plus the option.
+    """
+    if timeout is None:
+        return cast(Optional[dist.Work], dist.all_reduce(tensor, group=group, async_op=async_op))
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs want a RedOpType
+    options.timeout = timeout
+    work = group.allreduce([tensor], options)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 @torch.no_grad()
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor],
@@ -115,6 +146,7 @@ def broadcast_coalesced(
     *,
     src_rank: int = 0,
     in_place: bool = True,
+    timeout: Optional[timedelta] = None,
 ) -> list[torch.Tensor]:
     """Broadcasts tensors from ``src_rank`` in one collective per device.
 
@@ -128,6 +160,7 @@ def broadcast_coalesced(
         in_place: copy the result into ``tensors`` (True, default) or return
             fresh tensors and leave the inputs untouched (False), for tensors a
             live autograd graph may have saved.
+        timeout: per-operation timeout (see ``all_reduce``); None: the group's.
 
     Returns:
         The broadcast tensors: ``tensors`` themselves when ``in_place``, else
@@ -141,7 +174,12 @@ def broadcast_coalesced(
     for indices in by_device.values():
         members = [tensors[i].detach() for i in indices]
         flat = _pack_bytes(members)
-        dist.broadcast(flat, src=src, group=group)
+        if timeout is None:
+            dist.broadcast(flat, src=src, group=group)
+        else:
+            options = dist.BroadcastOptions()
+            options.rootRank, options.rootTensor, options.timeout = src_rank, 0, timeout
+            group.broadcast([flat], options).wait()
         offset = 0
         for i, tensor in zip(indices, members, strict=True):
             nbytes = tensor.numel() * tensor.element_size()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterable, Optional, Union, cast
 
 import torch
@@ -33,6 +34,13 @@ class ReplicateConfig:
     static_graph: bool = False
     reduce_dtype: Optional[torch.dtype] = None
     gradient_divide_factor: Optional[float] = None
+    stall_timeout: Union[float, timedelta, None] = 60.0
+
+    @property
+    def stall_timeout_s(self) -> Optional[float]:
+        """``stall_timeout`` in seconds; None: the watchdog is off."""
+        value = self.stall_timeout
+        return value.total_seconds() if isinstance(value, timedelta) else value
 
     def __post_init__(self) -> None:
         for module in self.ignored_modules:
@@ -58,6 +66,14 @@ class ReplicateConfig:
             raise TypeError(
                 "replicate(): reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
                 f"got {self.reduce_dtype!r}"
+            )
+        stall = self.stall_timeout
+        seconds = stall.total_seconds() if isinstance(stall, timedelta) else stall
+        if stall is not None and not _is_positive_finite(seconds):
+            raise ValueError(
+                "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
+                f"(None turns the watchdog off), got {stall!r}; e.g. stall_timeout=300 for steps that "
+                "may wait minutes for one rank (checkpointing on rank 0)"
             )
         factor = self.gradient_divide_factor
         if factor is not None and not _is_positive_finite(factor):

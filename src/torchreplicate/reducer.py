@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
+from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -61,7 +62,7 @@ from torch import nn
 from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
-from torchreplicate.collectives import WeakGroup
+from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
 from torchreplicate.diagnostics import DesyncReport, format_desync
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
@@ -69,6 +70,7 @@ from torchreplicate.profiling import labelled
 from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
 from torchreplicate.torch_internals import queue_end_of_backward_callback
+from torchreplicate.watchdog import StallWatch
 
 
 class SyncSwitch:
@@ -130,6 +132,7 @@ class Reducer:
         reduction: how buckets are reduced (reduction.py); bound here.
         sync: the module's gradient-sync switch.
         clock: the module's training clock (sent with the flags).
+        watch: the module's stall watchdog (watchdog.py), or None when off.
         sparse: identities of the parameters with sparse gradients (sparse.py).
         learned: what the previous reducer of the module learned (a re-plan).
 
@@ -149,6 +152,7 @@ class Reducer:
         reduction: Reduction,
         sync: SyncSwitch,
         clock: TrainingClock,
+        watch: Optional[StallWatch] = None,
         sparse: frozenset[int] = frozenset(),
         learned: Optional[Learned] = None,
     ) -> None:
@@ -158,6 +162,7 @@ class Reducer:
         self.layout = layout
         self.sync = sync
         self.clock = clock
+        self.watch = watch
         self.slots = [
             ParamSlot(i, p, n, learned.expected.get(id(p), 0))
             for i, (p, n) in enumerate(zip(params, names, strict=True))
@@ -245,8 +250,13 @@ class Reducer:
         self.reduction = reduction
         self.flags = self._bind(reduction)
 
+    @property
+    def timeout(self) -> Optional[timedelta]:
+        """Per-operation timeout of the reducer's collectives (the watchdog's), or None."""
+        return None if self.watch is None else self.watch.timeout
+
     def _bind(self, reduction: Reduction) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), self._group)
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), self._group, self.timeout)
         return StepFlags(tail, len(self.slots), self.layout_digest)
 
     @property
@@ -269,6 +279,8 @@ class Reducer:
         step = self.step
         if not step.finalize_queued and self.sync.on:
             step.finalize_queued = True
+            if self.watch is not None:
+                self.watch.at("backward", self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
     @labelled("hook")
@@ -350,6 +362,12 @@ class Reducer:
         step = self.step
         try:
             self._finish_step(step)
+        except RuntimeError as error:
+            watch = self.watch
+            if watch is None or not is_transport_error(error):
+                raise
+            place = f"{watch.phase} of step {self.num_steps}"
+            raise watch.diagnose(place, error) from error
         finally:
             for bucket in self.buckets:
                 bucket.reset_step()
@@ -365,8 +383,13 @@ class Reducer:
             if bucket is self.buckets[-1]:
                 self.flags.write(unused_here, step.late, self.clock.steps)
             self._launch(bucket, step)
+        watch = self.watch
         for bucket in self.buckets:
+            if watch is not None:
+                watch.at(f"bucket {bucket.index} ({bucket.describe()})", self.num_steps)
             self._wait(bucket)
+        if watch is not None:
+            watch.at("the flags' all-reduce", self.num_steps)
         self.reduction.reduce_flags()
         sums = self.flags.read(unused_here)
         if not (sums.clocks_agree and sums.layouts_agree):
@@ -374,9 +397,13 @@ class Reducer:
         late_grads = self.layout.restore(self.buckets, step, sums, num_early)
         if sums.any_late:
             self._reduce_late(late_grads)
-        self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere)
+        if watch is not None and self.sparse.slots:
+            watch.at("sparse gradients", self.num_steps)
+        self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere, self.timeout)
         self._learn(step)
         self.num_steps += 1
+        if watch is not None:
+            watch.at("user code after the backward", self.num_steps)
         for slot in self._in_backward:  # every .grad is final now
             if slot.param.grad is not None:
                 for optimizer in slot.optimizers:
@@ -401,6 +428,8 @@ class Reducer:
 
     @labelled("late_round")
     def _reduce_late(self, late_grads: LateGrads) -> None:
+        if self.watch is not None:
+            self.watch.at("late round", self.num_steps)
         # One more agreed round: every rank sends its late gradients (zeros
         # where it has none), bucket by bucket, and adds their mean.
         for bucket in self.buckets:
@@ -413,7 +442,7 @@ class Reducer:
                 if slot.index in late_grads:
                     piece.copy_(late_grads[slot.index])
                 pieces.append(piece)
-            dist.all_reduce(extra, group=self.group)
+            all_reduce(extra, self.group, self.timeout)
             extra.div_(self.reduction.divide_factor)
             for slot, piece in zip(bucket.slots, pieces, strict=True):
                 # A late gradient anywhere means the parameter was used there,

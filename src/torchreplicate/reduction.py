@@ -11,13 +11,14 @@ bucket in index order, and ``reduce_flags`` once every bucket is back.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.bucket import Bucket, ParamSlot
-from torchreplicate.collectives import WeakGroup
+from torchreplicate.collectives import WeakGroup, all_reduce
 from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 
 
@@ -31,8 +32,14 @@ class Reduction:
 
     divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
 
-    def bind(self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup) -> torch.Tensor:
-        """Prepares for a bucket layout; returns where the flags travel (``num_flags`` elements)."""
+    def bind(
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+    ) -> torch.Tensor:
+        """Prepares for a bucket layout; returns where the flags travel (``num_flags`` elements).
+
+        ``timeout`` bounds each collective the reduction launches itself
+        ([Note: stall watchdog] in watchdog.py); None: the group's timeout.
+        """
         raise NotImplementedError
 
     def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
@@ -87,6 +94,7 @@ class AllReduce(Reduction):
         self.gradient_divide_factor = gradient_divide_factor
         # - Bound to one bucket layout (bind)
         self._group: Optional[WeakGroup] = None
+        self._timeout: Optional[timedelta] = None  # per-operation timeout of each all-reduce
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
         self.wires: list[torch.Tensor] = []
@@ -95,8 +103,11 @@ class AllReduce(Reduction):
         # a scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply).
         self.scales: list[torch.Tensor] = []
 
-    def bind(self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup) -> torch.Tensor:
+    def bind(
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+    ) -> torch.Tensor:
         self._group = group
+        self._timeout = timeout
         self.divide_factor = float(self.gradient_divide_factor or dist.get_world_size(group.get()))
         self.wires, self.scales = [], []
         for bucket in buckets:
@@ -133,7 +144,7 @@ class AllReduce(Reduction):
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        bucket.in_flight = dist.all_reduce(wire, group=self._group.get(), async_op=True)
+        bucket.in_flight = all_reduce(wire, self._group.get(), self._timeout, async_op=True)
 
     def wait(self, bucket: Bucket) -> None:
         bucket.in_flight.wait()
@@ -180,11 +191,17 @@ class HookReduction(Reduction):
         self.hook = hook
         # - Bound to one bucket layout (bind)
         self._group: Optional[WeakGroup] = None
+        self._timeout: Optional[timedelta] = None  # per-operation timeout of the flags' all-reduce
         self._buckets: Sequence[Bucket] = ()  # to wait for bucket k - 1 before calling the hook on k
         self._flags = torch.zeros(0)  # the flags' own tensor
 
-    def bind(self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup) -> torch.Tensor:
+    def bind(
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+    ) -> torch.Tensor:
+        # The hook launches its own collectives, which cannot take a timeout:
+        # only the flags' all-reduce is bounded (README: When things go wrong).
         self._group = group
+        self._timeout = timeout
         self._buckets = buckets
         self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
         self._flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
@@ -224,4 +241,4 @@ class HookReduction(Reduction):
 
     def reduce_flags(self) -> None:
         assert self._group is not None, "bind() comes first"
-        dist.all_reduce(self._flags, group=self._group.get())
+        all_reduce(self._flags, self._group.get(), self._timeout)

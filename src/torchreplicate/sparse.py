@@ -10,12 +10,14 @@ rank used keeps ``grad=None``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from datetime import timedelta
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.bucket import ParamSlot
+from torchreplicate.collectives import all_reduce
 
 
 class SparseGrads:
@@ -32,7 +34,13 @@ class SparseGrads:
         """Indices of the sparse parameters this rank has no gradient for."""
         return [slot.index for slot in self.slots if slot.param.grad is None]
 
-    def reduce(self, group: dist.ProcessGroup, divide_factor: float, unused_everywhere: frozenset[int]) -> None:
+    def reduce(
+        self,
+        group: dist.ProcessGroup,
+        divide_factor: float,
+        unused_everywhere: frozenset[int],
+        timeout: Optional[timedelta] = None,
+    ) -> None:
         """All-reduces every sparse gradient and writes back its average (or None)."""
         for slot in self.slots:
             param = slot.param
@@ -52,5 +60,5 @@ class SparseGrads:
                     "flag before replicate() and keep it"
                 )
             summed = grad.coalesce().clone()
-            dist.all_reduce(summed, group=group)
+            all_reduce(summed, group, timeout)
             param.grad = None if slot.index in unused_everywhere else (summed / divide_factor).coalesce()

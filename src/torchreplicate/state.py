@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate import torch_internals
-from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
@@ -25,6 +25,7 @@ from torchreplicate.profiling import labelled
 from torchreplicate.reducer import Learned, Reducer, SyncSwitch, TrainingClock
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.registry import registration_count
+from torchreplicate.watchdog import StallWatch
 
 MiB = 1024 * 1024
 
@@ -68,6 +69,7 @@ class ReplicateState:
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
+        self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
         self._num_forwards = 0  # forwards of the root with gradients enabled
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -202,7 +204,10 @@ class ReplicateState:
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
         plan = self._make_plan()
-        self._adopt(plan, [p.detach() for p in plan.candidates] + plan.buffer_values())
+        # rank 0's random token, broadcast with everything: the watchdog's
+        # keys are fresh in every run (torchrun's store outlives restarts)
+        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self._collective_device())
+        self._adopt(plan, [p.detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
 
     def _stamp(self) -> tuple[int, ...]:
         # [Note: re-planning]: what moves when the plan may have changed
@@ -233,9 +238,10 @@ class ReplicateState:
         if not plan.same_as(self.plan):
             self._adopt(plan, new_tensors(self.plan, plan))
 
-    def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor]) -> None:
+    def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
         # Checks the plan across ranks, broadcasts what is new to it from rank 0
         # and builds its reducer, handing over what the previous one learned.
+        # At replicate(), `token` (broadcast too) names the watchdog's keys.
         learned: Optional[Learned] = None
         if self.reducer is not None:
             learned = self.reducer.learned
@@ -248,6 +254,10 @@ class ReplicateState:
         )
         if self.world_size > 1 and to_broadcast:
             broadcast_coalesced(to_broadcast, self.group)
+        stall_timeout_s = self.config.stall_timeout_s
+        if token is not None and self.world_size > 1 and stall_timeout_s is not None:
+            self.watch = StallWatch(self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}")
+            weakref.finalize(self, self.watch.stop)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self._build_reducer(learned)
 
@@ -272,6 +282,7 @@ class ReplicateState:
             reduction=self.reduction,
             sync=self.sync,
             clock=self.clock,
+            watch=self.watch,
             sparse=self.plan.sparse,
             learned=learned,
         )
@@ -291,6 +302,9 @@ class ReplicateState:
         if not torch.is_grad_enabled():
             return  # no collective: one rank may evaluate alone ([Note: re-planning])
         self._num_forwards += 1
+        if self.watch is not None:
+            step = 0 if self.reducer is None else self.reducer.num_steps
+            self.watch.at("forward", step)
         plan = self.plan
         if self._stamp() != self._planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             self._replan_if_changed()
@@ -302,7 +316,15 @@ class ReplicateState:
         # tensors (two forwards through BatchNorm before one backward). Set
         # through _buffers, not setattr: setattr would run every global buffer
         # registration hook, ours included ([Note: re-planning]), at every forward.
-        fresh = broadcast_coalesced(self.plan.buffer_values(), self.group, in_place=False)
+        watch = self.watch
+        try:
+            fresh = broadcast_coalesced(
+                self.plan.buffer_values(), self.group, in_place=False, timeout=None if watch is None else watch.timeout
+            )
+        except RuntimeError as error:
+            if watch is None or not is_transport_error(error):
+                raise
+            raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
         for (owner, name), tensor in zip(self.plan.buffers, fresh, strict=True):
             module = owner()
             assert module is not None, "a buffer's owner outlives the plan while the root lives"
