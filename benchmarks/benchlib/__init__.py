@@ -7,6 +7,8 @@
 - ``stats``: summaries, paired per-round ratios, ``aggregate_timing``;
 - ``collectives``: counting collectives and bytes on the wire;
 - ``memory``: the peak-RSS phase;
+- ``breakdown``: our reducer's phases, read from ``torch.profiler`` labels;
+- ``breakdown_table``: the breakdown's table and warnings in the report;
 - ``report``: run environment, JSON and markdown files.
 
 The scripts import these as ``benchlib.<module>``: a script's own folder is
