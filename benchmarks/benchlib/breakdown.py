@@ -180,12 +180,13 @@ def analyse_events(
             sums[step_of[id(event)]] += value(event)
         return statistics.median(sums) / 1e3
 
-    def when(phase: str, figure: Callable[[], float]) -> Optional[float]:
-        # None (the table reads MISSING) when the phase was expected but never
-        # showed; 0 when it was not expected and did not show
-        if phase in seen:
-            return figure()
-        return None if phase in missing else 0.0
+    def when(phase: str, figure: Callable[[], float], *, needs: Sequence[str] = ()) -> Optional[float]:
+        # None (the table reads MISSING) when the phase, or a phase the figure
+        # subtracts (``needs``), was expected but never showed; 0 when the
+        # phase was not expected and did not show
+        if any(p in missing for p in (phase, *needs)):
+            return None
+        return figure() if phase in seen else 0.0
 
     def net(event: ProfilerEvent) -> float:
         return event.cpu_time_total - floor_us  # without its own label's cost
@@ -246,7 +247,7 @@ def analyse_events(
         finalize_ms=when("finalize", lambda: per_step_ms(finalizes, net)),
         # end-of-backward work besides launching, waiting and late rounds:
         # filling the slots not launched from hooks, the flags, restoring .grad, learning
-        finalize_other_ms=when("finalize", lambda: per_step_ms(finalizes, own)),
+        finalize_other_ms=when("finalize", lambda: per_step_ms(finalizes, own), needs=("launch", "wait")),
         finalize_other_tensor_ops_ms=when("finalize", lambda: per_step_ms(finalizes, tensor_ops)),
         late_round_ms=when("late_round", lambda: per_step_ms(by_phase["late_round"], net)),
         late_rounds_per_step=len(by_phase["late_round"]) / num_steps,
