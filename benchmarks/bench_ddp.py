@@ -44,7 +44,7 @@ from benchlib.collectives import count_all_reduces
 from benchlib.engines import build_engine
 from benchlib.memory import MEMORY_ENV, MEMORY_METHOD, aggregate_memory, memory_worker
 from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, make_batch
-from benchlib.ranks import init_rank, launch_phase
+from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
 from benchlib.rounds import run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_tensor_difference_us
@@ -79,14 +79,7 @@ METHOD = {
 
 def timing_worker(cfg: dict) -> dict:
     rank, world = init_rank(1)
-    import torchreplicate
-
-    out: dict[str, Any] = {
-        "rank": rank,
-        "world_size": world,
-        "models": {},
-        "torchreplicate_file": torchreplicate.__file__,
-    }
+    out: dict[str, Any] = {**rank_record(), "models": {}}
     for model_name in cfg["models"]:
         batch = make_batch(model_name, rank)
         engines = {kind: build_engine(kind, model_name) for kind in cfg["engines"]}
@@ -304,8 +297,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
-    import torchreplicate
-
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODEL_NAMES:
@@ -349,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["memory_method"] = MEMORY_METHOD
     report["method"] = METHOD
 
-    rank_file = report["env"].get("torchreplicate_file_in_ranks") or torchreplicate.__file__
+    rank_file = report["env"].get("torchreplicate_file_in_ranks") or report["env"]["torchreplicate_file"]
     finish_report(report, started, rank_file, markdown_tables, args.out, "latest")
     try:
         plot(report, os.path.join(args.out, "ratios.png"))

@@ -48,11 +48,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torchreplicate
 from benchlib.collectives import count_wire
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch
-from benchlib.ranks import init_rank, launch_phase
+from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio
@@ -132,13 +131,8 @@ def timing_worker(cfg: dict) -> dict:
     # DDP warns once that the static model has no unused parameter: that is
     # the point of ddp_fu_static
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
-    rank, world = init_rank(1)
-    out: dict[str, Any] = {
-        "rank": rank,
-        "world_size": world,
-        "models": {},
-        "torchreplicate_file": torchreplicate.__file__,
-    }
+    rank, _ = init_rank(1)
+    out: dict[str, Any] = {**rank_record(), "models": {}}
     for model_name in cfg["models"]:
         batch = make_batch(model_name, rank)
         for unused in cfg["unused"]:

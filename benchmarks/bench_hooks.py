@@ -59,11 +59,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import torchreplicate
 from benchlib.collectives import count_wire
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch
-from benchlib.ranks import init_rank, launch_phase
+from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio
@@ -144,8 +143,8 @@ def _buckets(engine: Engine) -> Any:
 
 
 def timing_worker(cfg: dict) -> dict:
-    rank, world = init_rank(1)
-    out: dict[str, Any] = {"rank": rank, "world_size": world, "torchreplicate_file": torchreplicate.__file__}
+    rank, _ = init_rank(1)
+    out: dict[str, Any] = rank_record()
     batch = make_batch(MODEL, rank)
     engines: dict[str, Engine] = {}
     psgd_states: dict[str, powerSGD_hook.PowerSGDState] = {}

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+import torchreplicate
 from torchreplicate.launcher import launch
 
 
@@ -17,6 +18,15 @@ def init_rank(threads: int = 1) -> tuple[int, int]:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+def rank_record() -> dict[str, Any]:
+    """What every rank's result starts with: its rank, the world size and which torchreplicate it imported."""
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "torchreplicate_file": torchreplicate.__file__,
+    }
 
 
 def launch_phase(
