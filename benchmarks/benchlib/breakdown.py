@@ -49,12 +49,10 @@ from torchreplicate.profiling import labelled
 LABEL_PREFIX = "torchreplicate::"
 STEP = "benchlib::step"  # one profiled step: the unit of the per-step figures
 CALIBRATION = "benchlib::calibrate"  # parent of the calibration's labels, so they are not counted as phases
-# What a replicate() engine records in every static synchronised step.
-EXPECTED_OURS = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize")
-# A Reducer built directly (the world-size-1 ``reducer`` engine) has no forward hooks.
-EXPECTED_REDUCER_ONLY = ("hook", "launch", "wait", "finalize")
+# What an engine with replicate() and a reducer records in every static synchronised step.
+EXPECTED_PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize")
 # late_round runs only when a gradient arrives after its bucket left: never in these static steps.
-ALL_PHASES = EXPECTED_OURS + ("late_round",)
+ALL_PHASES = EXPECTED_PHASES + ("late_round",)
 _COLLECTIVE_OPS = ("c10d::", "gloo:")  # children of a launch that enqueue the collective
 
 
@@ -69,7 +67,9 @@ class ProfilerEvent(Protocol):
     def cpu_time_total(self) -> float: ...
 
 
-def measure_breakdown(engine: Engine, batch: Any, *, steps: int, expected: Sequence[str], warmup: int = 3) -> dict:
+def measure_breakdown(
+    engine: Engine, batch: Any, *, steps: int, expected: Sequence[str] = EXPECTED_PHASES, warmup: int = 3
+) -> dict:
     """Profiles ``steps`` steps of ``engine`` and breaks its reducer's time down by phase.
 
     Runs in every rank (the steps are collective); untimed, separate from the
@@ -79,7 +79,7 @@ def measure_breakdown(engine: Engine, batch: Any, *, steps: int, expected: Seque
         engine: a fresh engine holding our reducer.
         batch: this rank's batch.
         steps: profiled steps (also run as many unprofiled, for comparison).
-        expected: phases that must show up (``EXPECTED_OURS`` or ``EXPECTED_REDUCER_ONLY``).
+        expected: phases that must show up. Default ``EXPECTED_PHASES``.
         warmup: steps before any measurement (the reducer learns in step 1). Default 3.
     """
     for _ in range(warmup):

@@ -12,21 +12,19 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchlib.models import build_model, loss_of
-from benchlib.report import MiB
-from torchreplicate import ReplicateConfig, ReplicateModule, replicate
+from torchreplicate import ReplicateModule, replicate
 from torchreplicate.reducer import Reducer
 
 # What build_engine makes:
 # - local: the bare model, no communication;
 # - ddp / ddp_gbv: torch DDP defaults / with gradient_as_bucket_view=True;
 # - ours: replicate() defaults;
-# - reducer: our Reducer built directly on the group (world size 1, where
-#   replicate() builds none): its bookkeeping when collectives are nearly free;
+# - reducer: replicate(), plus the reducer it builds at world size 2 (at world
+#   size 1 it builds none): its bookkeeping when collectives are nearly free;
 # - noop_hooks: one empty Python post-accumulate-grad hook per parameter, the
 #   floor of any reducer driven by Python hooks.
 ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "reducer", "noop_hooks")
@@ -41,8 +39,8 @@ class Engine:
         module: what ``step`` calls: the wrapped model.
         raw: the bare model inside ``module`` (for parameter comparisons).
         keep: objects that must live as long as the engine (hook handles, states).
-        reducer: a reducer built directly (the ``reducer`` kind); others are
-            found through ``replicate.state``.
+        reducer: a reducer the state does not hold (the ``reducer`` kind);
+            others are found through ``replicate.state``.
     """
 
     def __init__(
@@ -111,7 +109,8 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
     if kind == "ours":
         return Engine(kind, model_name, replicate(model), model)
     if kind == "reducer":
-        return Engine(kind, model_name, model, model, reducer=build_internal_reducer(model))
+        replicated = replicate(model)
+        return Engine(kind, model_name, replicated, model, reducer=build_internal_reducer(replicated))
     if kind == "noop_hooks":
 
         def noop(param: torch.Tensor) -> None:
@@ -122,31 +121,18 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
     raise ValueError(f"build_engine(): unknown kind {kind!r}; expected one of {ENGINE_KINDS}")
 
 
-def build_internal_reducer(model: nn.Module) -> Reducer:
-    """Our ``Reducer`` on the world group with ``replicate()``'s default options.
+def build_internal_reducer(replicated: nn.Module) -> Reducer:
+    """Our reducer for a module ``replicate()`` wrapped at world size 1, where it builds none.
 
-    The one place the benchmarks call the library's internal constructor:
-    ``replicate()`` builds no reducer at world size 1, and this engine exists
-    to measure the reducer's bookkeeping when collectives are nearly free.
-    Mirrors ``ReplicateState._build_reducer`` (src/torchreplicate/state.py)
-    as of the Reducer refactor (layout=, reduction=, sync=); update both
-    together.
+    Built by the library's own ``ReplicateState._build_reducer``, so it gets
+    exactly the options and collaborators ``replicate()`` gives a reducer at
+    world size 2, whatever the constructor takes (it has gained arguments
+    more than once). The state does not hold it, so ``replicate()``'s forward
+    hooks behave as in the ``ours`` engine; the reducer's gradient hooks
+    queue the end of backward themselves. The benchmarks' one call of a
+    private method of the library: checked on torchreplicate 0d4088c and
+    ffc0aa9, torch 2.13.0.
     """
-    from torchreplicate.grad_layout import grad_layout
-    from torchreplicate.reducer import SyncSwitch
-    from torchreplicate.reduction import AllReduce
-
-    config = ReplicateConfig()  # replicate()'s defaults
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    world = dist.group.WORLD
-    assert world is not None, "init_process_group() first"
-    return Reducer(
-        [p for _, p in named],
-        [n for n, _ in named],
-        world,
-        bucket_cap_bytes=int(config.bucket_cap_mb * MiB),
-        first_bucket_cap_bytes=int(config.first_bucket_cap_mb * MiB),
-        layout=grad_layout(config.gradient_as_bucket_view),
-        reduction=AllReduce(config.reduce_dtype, config.gradient_divide_factor),
-        sync=SyncSwitch(),
-    )
+    state = replicate.state(replicated)
+    assert state.reducer is None, "replicate() builds no reducer at world size 1"
+    return state._build_reducer(None)
