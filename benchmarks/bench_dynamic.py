@@ -10,8 +10,8 @@ Usage::
 One launch, 2 ranks, gloo, one intra-op thread per rank. Per model and per
 kind of unused parameter (``--unused``), five engines live side by side in
 one process group, each on its own model copy (same init) with its own SGD,
-timed in interleaved rounds exactly as in ``bench_ddp.py`` (its
-``run_rounds``):
+timed in interleaved rounds exactly as in ``bench_ddp.py``
+(``benchlib.rounds.run_rounds``):
 
 - ``ours_static``: ``replicate()`` defaults, every parameter used on every rank;
 - ``ddp_static``: torch DDP defaults, same static model;
@@ -28,7 +28,7 @@ so rank 1 also computes less. Either way the unused tensors are the first
 gradients of backward, in the first bucket (ours and DDP).
 
 Afterwards (untimed): collectives per step and their payload
-(``bench_ddp.count_wire``), and the largest parameter difference between our
+(``benchlib.collectives.count_wire``), and the largest parameter difference between our
 engine and DDP's after the same steps (both average the same gradients, so
 it is rounding). Writes ``<out>/dynamic.json`` and ``<out>/dynamic.md`` and
 prints the tables. Timings are reported, never asserted.
@@ -38,14 +38,24 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
+import warnings
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import bench_ddp as B  # noqa: E402
+from benchlib.collectives import count_wire
+from benchlib.engines import Engine
+from benchlib.models import MODEL_TITLES, build_model, make_batch
+from benchlib.ranks import init_rank, launch_phase, rank_record
+from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
+from benchlib.rounds import ROUNDS_METHOD, run_rounds
+from benchlib.stats import aggregate_timing, fmt_ratio
+from torchreplicate import replicate
 
 MODELS = ("mlp", "small")
 UNUSED = ("bias", "layer")
@@ -64,12 +74,9 @@ UNUSED_TITLES = {
 }
 
 
-def build_dynamic(model_name: str, unused: str, skip: bool):
+def build_dynamic(model_name: str, unused: str, skip: bool) -> nn.Module:
     """The benchmark model, with one parameter (or layer) that ``skip`` leaves out."""
-    import torch
-    from torch import nn
-
-    base = B.build_model(model_name)
+    base = build_model(model_name)
     width = {"mlp": 1024, "small": 128}[model_name]
     last_linear = max(i for i, m in enumerate(base) if isinstance(m, nn.Linear))
 
@@ -89,7 +96,7 @@ def build_dynamic(model_name: str, unused: str, skip: bool):
                 # it lands in the first bucket, with the last Linear
                 self.extra = Bias()
 
-        def forward(self, x):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             if unused == "bias":
                 y = self.base(x)
                 return y if skip else y + self.extra.bias
@@ -101,12 +108,8 @@ def build_dynamic(model_name: str, unused: str, skip: bool):
     return Dynamic()
 
 
-def make_engine(kind: str, model_name: str, unused: str, rank: int) -> B.Engine:
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from torchreplicate import replicate
-
+def make_engine(kind: str, model_name: str, unused: str, rank: int) -> Engine:
+    """An engine of ``ENGINES`` on the model of ``build_dynamic``, same init on every rank."""
     torch.manual_seed(0)
     dynamic = kind.endswith("_dyn")
     raw = build_dynamic(model_name, unused, skip=dynamic and rank == 1)
@@ -116,40 +119,27 @@ def make_engine(kind: str, model_name: str, unused: str, rank: int) -> B.Engine:
         module = DDP(raw)
     else:
         module = DDP(raw, find_unused_parameters=True)
-    return B.Engine.around(kind, model_name, module, raw)
+    return Engine(kind, model_name, module, raw)
 
 
-def _max_param_diff(a: B.Engine, b: B.Engine) -> float:
-    import torch
-
+def _max_param_diff(a: Engine, b: Engine) -> float:
     with torch.no_grad():
         return max(float((p - q).abs().max()) for p, q in zip(a.raw.parameters(), b.raw.parameters()))
 
 
 def timing_worker(cfg: dict) -> dict:
-    import warnings
-
-    import torch.distributed as dist
-
     # DDP warns once that the static model has no unused parameter: that is
     # the point of ddp_fu_static
     warnings.filterwarnings("ignore", message=".*find_unused_parameters=True.*")
-    rank, world = B.init_rank(1)
-    import torchreplicate
-
-    out: dict[str, Any] = {
-        "rank": rank,
-        "world_size": world,
-        "models": {},
-        "torchreplicate_file": torchreplicate.__file__,
-    }
+    rank, _ = init_rank(1)
+    out: dict[str, Any] = {**rank_record(), "models": {}}
     for model_name in cfg["models"]:
-        batch = B.make_batch(model_name, rank)
+        batch = make_batch(model_name, rank)
         for unused in cfg["unused"]:
             engines = {kind: make_engine(kind, model_name, unused, rank) for kind in cfg["engines"]}
             first = engines[cfg["engines"][0]]
-            timed = B.run_rounds(engines, batch, cfg)
-            wire = {kind: B.count_wire(lambda e=e: e.step(batch)) for kind, e in engines.items()}
+            timed = run_rounds(engines, batch, cfg)
+            wire = {kind: count_wire(lambda e=e: e.step(batch)) for kind, e in engines.items()}
             # every engine ran the same steps from the same init
             diffs = {}
             for a, b in (("ours_dyn", "ddp_fu_dyn"), ("ours_static", "ddp_static")):
@@ -157,8 +147,8 @@ def timing_worker(cfg: dict) -> dict:
                     diffs[f"{a}-{b}"] = _max_param_diff(engines[a], engines[b])
             dist.barrier()
             out["models"][f"{model_name}:{unused}"] = {
-                "n_params": sum(p.numel() for p in first.raw.parameters()),
-                "n_tensors": len(list(first.raw.parameters())),
+                "n_params": first.num_params,
+                "n_tensors": first.num_tensors,
                 **timed,
                 "collectives": wire,
                 "max_param_diff": diffs,
@@ -173,34 +163,31 @@ def timing_worker(cfg: dict) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [B.run_header(report), ""]
-    lines.append(
+    lines = [
         "**Dynamic graph** (2 ranks, gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; "
         "ratio = median of per-round ratios [IQR] (min-max); `dyn` = one parameter unused on rank 1 every step; "
-        "ours = `replicate()` defaults, no flag; DDP-fu = DDP with `find_unused_parameters=True`)"
-    )
-    lines.append("")
-    lines.append(
+        "ours = `replicate()` defaults, no flag; DDP-fu = DDP with `find_unused_parameters=True`)",
+        "",
         "| model | unused on rank 1 | ours static ms | DDP static ms | ours dyn ms | DDP-fu dyn ms | DDP-fu static ms "
-        "| **ours dyn / ours static** | **ours dyn / DDP-fu dyn** | ours static / DDP static | DDP-fu dyn / DDP static |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        "| **ours dyn / ours static** | **ours dyn / DDP-fu dyn** | ours static / DDP static | DDP-fu dyn / DDP static |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, m in report["results"].items():
         model_name, unused = key.split(":")
         e, r = m["engines"], m["ratios"]
 
-        def ms(kind):
+        def ms(kind: str) -> str:
             return f"{e[kind]['step_ms']['median']:.2f}" if kind in e else "n/a"
 
         lines.append(
-            f"| {B.MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} | {ms('ours_static')} | {ms('ddp_static')} "
+            f"| {MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} | {ms('ours_static')} | {ms('ddp_static')} "
             f"| {ms('ours_dyn')} | {ms('ddp_fu_dyn')} | {ms('ddp_fu_static')} "
-            f"| {B.fmt_ratio(r.get('ours_dyn/ours_static'))} | {B.fmt_ratio(r.get('ours_dyn/ddp_fu_dyn'))} "
-            f"| {B.fmt_ratio(r.get('ours_static/ddp_static'))} | {B.fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
+            f"| {fmt_ratio(r.get('ours_dyn/ours_static'))} | {fmt_ratio(r.get('ours_dyn/ddp_fu_dyn'))} "
+            f"| {fmt_ratio(r.get('ours_static/ddp_static'))} | {fmt_ratio(r.get('ddp_fu_dyn/ddp_static'))} |"
         )
     lines.append("")
     lines.append(
-        "**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `bench_ddp.count_wire`: "
+        "**Collectives** (per step and rank: count, and payload MiB handed to them, counted by `benchlib.collectives.count_wire`: "
         "wrapped `torch.distributed` calls + torch.profiler gloo events; DDP's C++ reducer shows in the profiler only). "
         "max |Δparam| = largest parameter difference between ours and DDP after the same steps from the same init."
     )
@@ -214,15 +201,15 @@ def markdown(report: dict) -> str:
         model_name, unused = key.split(":")
         c = m["collectives"]
 
-        def cnt(kind):
+        def cnt(kind: str) -> str:
             return f"{c[kind]['per_step']:.0f}" if kind in c else "n/a"
 
-        def pay(kind):
-            return f"{c[kind]['payload_bytes_per_step'] / B.MiB:.3f}" if kind in c else "n/a"
+        def pay(kind: str) -> str:
+            return f"{c[kind]['payload_bytes_per_step'] / MiB:.3f}" if kind in c else "n/a"
 
         d = m["max_param_diff"]
         lines.append(
-            f"| {B.MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} "
+            f"| {MODEL_TITLES.get(model_name, model_name)} | {UNUSED_TITLES[unused]} "
             f"| {' / '.join(cnt(k) for k in ENGINES)} | {pay('ours_dyn')} / {pay('ddp_fu_dyn')} "
             f"| {d.get('ours_dyn-ddp_fu_dyn', float('nan')):.2g} / {d.get('ours_static-ddp_static', float('nan')):.2g} |"
         )
@@ -242,13 +229,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="short smoke run (~1 min)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list from {MODELS}")
     parser.add_argument("--unused", default=",".join(UNUSED), help=f"comma list from {UNUSED}")
-    parser.add_argument(
-        "--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)"
-    )
+    parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
-
-    from torchreplicate.launcher import launch
 
     models = [m for m in args.models.split(",") if m]
     unused = [u for u in args.unused.split(",") if u]
@@ -269,29 +252,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         "block_s": args.block_s or (0.15 if quick else 0.25),
         "warmup": args.warmup or (3 if quick else 5),
     }
-    os.makedirs(args.out, exist_ok=True)
     started = time.time()
     report: dict[str, Any] = {
         "config": {**cfg, "quick": quick},
         "world_size": 2,
-        "env": B.run_env(),
+        "env": run_env(),
         "method": {
-            **B.ROUNDS_METHOD,
-            "collectives": B.count_wire.__doc__.strip().splitlines()[0],
+            **ROUNDS_METHOD,
+            "collectives": (count_wire.__doc__ or "").strip().splitlines()[0],
             "models": {u: UNUSED_TITLES[u] for u in UNUSED},
         },
     }
-    print("[bench_dynamic] timing, 2 ranks ...", flush=True)
-    out = launch(timing_worker, nprocs=2, args=(cfg,), timeout_s=args.timeout, threads_per_rank=1)
+    out = launch_phase("timing, 2 ranks", timing_worker, cfg, nprocs=2, timeout_s=args.timeout, tag="bench_dynamic")
     report["env"]["torchreplicate_file_in_ranks"] = out[0]["torchreplicate_file"]
-    results = B.aggregate_timing(out, pairs=PAIRS)
+    results = aggregate_timing(out, PAIRS)
     for key, m in results.items():
         m0 = out[0]["models"][key]
         m["collectives"] = m0["collectives"]
         m["collectives_rank1"] = out[1]["models"][key]["collectives"]
         m["max_param_diff"] = {k: max(r["models"][key]["max_param_diff"][k] for r in out) for k in m0["max_param_diff"]}
     report["results"] = results
-    B.finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "dynamic")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "dynamic")
     return 0
 
 

@@ -11,7 +11,7 @@ One launch, 2 ranks, gloo, one intra-op thread per rank, the benchmark MLP
 (8 x ``Linear(1024, 1024)``, 8.4 M parameters, batch 32). Every engine, ours
 and DDP's for each variant, lives side by side in one process group on its
 own model copy (same init) with its own SGD, timed in interleaved rounds as
-in ``bench_ddp.py`` (its ``run_rounds``: a block of K steps per engine per
+in ``bench_ddp.py`` (``benchlib.rounds.run_rounds``: a block of K steps per engine per
 round, engine order rotated each round, a barrier before each block).
 
 Variants (``ours`` = ``replicate()``; ``DDP`` = torch DDP with the same stock
@@ -32,7 +32,7 @@ hook from ``torch.distributed.algorithms.ddp_comm_hooks``, defaults otherwise):
 - ``psgd_r2_buckets``: ours only, PowerSGD r=2 with the default buckets
   (1 MiB first, then 25 MiB: 2 buckets here), which our reducer supports.
 
-Bytes on the wire: after timing, untimed, ``bench_ddp.count_wire`` counts each
+Bytes on the wire: after timing, untimed, ``benchlib.collectives.count_wire`` counts each
 engine's collectives over 2 steps: ``torch.distributed.all_reduce``,
 ``all_gather``, ``all_gather_into_tensor``, ``broadcast`` and
 ``reduce_scatter_tensor`` wrapped in the rank process (every Python-level
@@ -50,14 +50,23 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-import bench_ddp as B  # noqa: E402
+from benchlib.collectives import count_wire
+from benchlib.engines import Engine
+from benchlib.models import MODEL_TITLES, build_model, make_batch
+from benchlib.ranks import init_rank, launch_phase, rank_record
+from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
+from benchlib.rounds import ROUNDS_METHOD, run_rounds
+from benchlib.stats import aggregate_timing, fmt_ratio
+from torchreplicate import replicate
 
 MODEL = "mlp"
 ONE_BUCKET_MB = 64  # > the MLP's 32 MiB of gradients: one bucket
@@ -82,16 +91,13 @@ def _psgd_rank(variant: str) -> Optional[int]:
     return int(variant.split("_")[1][1:]) if variant.startswith("psgd_") else None
 
 
-def make_engine(side: str, variant: str, ddp_gbv: bool) -> B.Engine:
-    """``side`` is ``ours`` or ``ddp``. Raises what DDP or replicate() raise (a refusal)."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def make_engine(side: str, variant: str, ddp_gbv: bool) -> tuple[Engine, Optional[powerSGD_hook.PowerSGDState]]:
+    """The engine of one side (``ours`` or ``ddp``) of a variant, and its PowerSGD state if any.
 
-    from torchreplicate import replicate
-
+    Raises what DDP or replicate() raise (a refusal).
+    """
     torch.manual_seed(0)
-    raw = B.build_model(MODEL)
+    raw = build_model(MODEL)
     rank = _psgd_rank(variant)
     one_bucket = rank is not None and variant != "psgd_r2_buckets"
     if side == "ours":
@@ -107,7 +113,7 @@ def make_engine(side: str, variant: str, ddp_gbv: bool) -> B.Engine:
             # an explicit bucket_cap_mb also sets DDP's first-bucket cap
             kwargs["bucket_cap_mb"] = ONE_BUCKET_MB
         module = DDP(raw, **kwargs)
-    state: Any = None
+    state: Optional[powerSGD_hook.PowerSGDState] = None
     if variant == "bf16_hook":
         module.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif variant == "fp16_hook":
@@ -121,18 +127,14 @@ def make_engine(side: str, variant: str, ddp_gbv: bool) -> B.Engine:
             warm_start=True,
         )
         module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    engine = B.Engine.around(f"{side}.{variant}", MODEL, module, raw, keep=(state,))
-    engine.psgd_state = state
-    return engine
+    return Engine(f"{side}.{variant}", MODEL, module, raw, keep=(state,)), state
 
 
-def _buckets(engine: B.Engine) -> Any:
+def _buckets(engine: Engine) -> Any:
     """Gradient elements per bucket, in launch order (for the record)."""
     if engine.kind.startswith("ours"):
-        from torchreplicate import replicate
-
-        reducer = replicate.state(engine.module).reducer
-        return [int(b.grads.numel()) for b in reducer.buckets] if reducer is not None else None
+        reducer = engine.reducer
+        return [b.numel for b in reducer.buckets] if reducer is not None else None
     try:  # private API; DDP logs bytes, the model is float32
         sizes = engine.module._get_ddp_logging_data().get("rebuilt_bucket_sizes")
         return [int(x) // 4 for x in str(sizes).split(",")] if sizes else sizes
@@ -141,15 +143,11 @@ def _buckets(engine: B.Engine) -> Any:
 
 
 def timing_worker(cfg: dict) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    rank, world = B.init_rank(1)
-    import torchreplicate
-
-    out: dict[str, Any] = {"rank": rank, "world_size": world, "torchreplicate_file": torchreplicate.__file__}
-    batch = B.make_batch(MODEL, rank)
-    engines: dict[str, B.Engine] = {}
+    rank, _ = init_rank(1)
+    out: dict[str, Any] = rank_record()
+    batch = make_batch(MODEL, rank)
+    engines: dict[str, Engine] = {}
+    psgd_states: dict[str, powerSGD_hook.PowerSGDState] = {}
     refused: dict[str, str] = {}
     for variant in cfg["variants"]:
         for side in ("ours", "ddp"):
@@ -158,12 +156,14 @@ def timing_worker(cfg: dict) -> dict:
                 refused[name] = OURS_ONLY[variant]
                 continue
             try:
-                engines[name] = make_engine(side, variant, cfg["ddp_gbv"])
+                engines[name], state = make_engine(side, variant, cfg["ddp_gbv"])
+                if state is not None:
+                    psgd_states[name] = state
             except Exception as error:  # a refusal is a result
                 refused[name] = f"refused: {type(error).__name__}: {error}"
             dist.barrier()  # a refusal is the same on every rank
-    timed = B.run_rounds(engines, batch, cfg)
-    wire = {name: B.count_wire(lambda e=e: e.step(batch)) for name, e in engines.items()}
+    timed = run_rounds(engines, batch, cfg)
+    wire = {name: count_wire(lambda e=e: e.step(batch)) for name, e in engines.items()}
     diffs = {}
     with torch.no_grad():
         for variant in cfg["variants"]:
@@ -171,14 +171,13 @@ def timing_worker(cfg: dict) -> dict:
             if a is not None and b is not None:
                 diffs[variant] = max(float((p - q).abs().max()) for p, q in zip(a.raw.parameters(), b.raw.parameters()))
     stats = {}
-    for name, e in engines.items():
-        if e.psgd_state is not None:
-            rate, before, after = e.psgd_state.compression_stats()
-            stats[name] = {"compress_rate": rate, "numel_before": before, "numel_after": after}
+    for name, state in psgd_states.items():
+        rate, before, after = state.compression_stats()
+        stats[name] = {"compress_rate": rate, "numel_before": before, "numel_after": after}
     out["models"] = {
         MODEL: {
-            "n_params": sum(p.numel() for p in B.build_model(MODEL).parameters()),
-            "n_tensors": 16,
+            "n_params": next(iter(engines.values())).num_params,
+            "n_tensors": next(iter(engines.values())).num_tensors,
             **timed,
             "collectives": wire,
             "buckets": {name: _buckets(e) for name, e in engines.items()},
@@ -211,40 +210,37 @@ def markdown(report: dict) -> str:
     m = report["results"][MODEL]
     e, r, c = m["engines"], m["ratios"], m["collectives"]
     refused = report["refused"]
-    lines = [B.run_header(report), ""]
-    lines.append(
-        f"**Comm hooks and wire precision** ({B.MODEL_TITLES[MODEL]}, 2 ranks, gloo, 1 thread/rank; step time = median over rounds of "
+    lines = [
+        f"**Comm hooks and wire precision** ({MODEL_TITLES[MODEL]}, 2 ranks, gloo, 1 thread/rank; step time = median over rounds of "
         "block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max); "
         f"DDP = torch DDP{' (gradient_as_bucket_view=True)' if report['config']['ddp_gbv'] else ' (defaults)'} with the same stock hook; "
         f"PowerSGD: start_powerSGD_iter=2, error feedback, warm start, one bucket (bucket_cap_mb={ONE_BUCKET_MB}) unless noted; "
         "collectives and payload per step and rank from wrapped torch.distributed collectives + torch.profiler gloo events; "
-        "max |Δparam| = largest parameter difference ours vs DDP after the same steps)"
-    )
-    lines.append("")
-    lines.append(
+        "max |Δparam| = largest parameter difference ours vs DDP after the same steps)",
+        "",
         "| variant | ours ms | DDP ms | **ours/DDP** | ours / ours fp32 | DDP / DDP fp32 | collectives/step ours / DDP "
-        "| payload MiB/step/rank ours / DDP | max abs Δparam |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+        "| payload MiB/step/rank ours / DDP | max abs Δparam |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v in report["config"]["variants"]:
         o, d = f"ours.{v}", f"ddp.{v}"
 
-        def ms(name):
+        def ms(name: str) -> str:
             if name in e:
                 return f"{e[name]['step_ms']['median']:.2f}"
             return refused.get(name, "n/a")
 
-        def cnt(name):
+        def cnt(name: str) -> str:
             return f"{c[name]['per_step']:.0f}" if name in c else "-"
 
-        def pay(name):
-            return f"{c[name]['payload_bytes_per_step'] / B.MiB:.3f}" if name in c else "-"
+        def pay(name: str) -> str:
+            return f"{c[name]['payload_bytes_per_step'] / MiB:.3f}" if name in c else "-"
 
         diff = m["max_param_diff"].get(v)
         lines.append(
-            f"| {TITLES[v]} | {ms(o)} | {ms(d)} | {B.fmt_ratio(r.get(f'{o}/{d}'))} "
-            f"| {B.fmt_ratio(r.get(f'{o}/ours.fp32')) if v != 'fp32' else '1'} "
-            f"| {B.fmt_ratio(r.get(f'{d}/ddp.fp32')) if v != 'fp32' else '1'} "
+            f"| {TITLES[v]} | {ms(o)} | {ms(d)} | {fmt_ratio(r.get(f'{o}/{d}'))} "
+            f"| {fmt_ratio(r.get(f'{o}/ours.fp32')) if v != 'fp32' else '1'} "
+            f"| {fmt_ratio(r.get(f'{d}/ddp.fp32')) if v != 'fp32' else '1'} "
             f"| {cnt(o)} / {cnt(d)} | {pay(o)} / {pay(d)} | {'-' if diff is None else f'{diff:.2g}'} |"
         )
     extra = [
@@ -258,7 +254,7 @@ def markdown(report: dict) -> str:
     if extra:
         lines.append("")
         for k, lbl in extra:
-            lines.append(f"- {lbl}: {B.fmt_ratio(r[k])}")
+            lines.append(f"- {lbl}: {fmt_ratio(r[k])}")
     lines.append("")
     lines.append(
         "Gradient elements per bucket: "
@@ -289,13 +285,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--ddp-gbv", action="store_true", help="DDP engines with gradient_as_bucket_view=True (default: DDP defaults)"
     )
-    parser.add_argument(
-        "--out", default=os.path.join(B.HERE, "results"), help="output folder (default benchmarks/results)"
-    )
+    parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
-
-    from torchreplicate.launcher import launch
 
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
@@ -313,21 +305,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         "block_s": args.block_s or (0.15 if quick else 0.25),
         "warmup": max(3, args.warmup or (3 if quick else 5)),
     }
-    os.makedirs(args.out, exist_ok=True)
     started = time.time()
     report: dict[str, Any] = {
         "config": {**cfg, "quick": quick, "one_bucket_mb": ONE_BUCKET_MB},
         "world_size": 2,
-        "env": B.run_env(),
+        "env": run_env(),
         "method": {
-            **B.ROUNDS_METHOD,
-            "collectives": B.count_wire.__doc__,
+            **ROUNDS_METHOD,
+            "collectives": count_wire.__doc__,
         },
     }
-    print("[bench_hooks] timing, 2 ranks ...", flush=True)
-    out = launch(timing_worker, nprocs=2, args=(cfg,), timeout_s=args.timeout, threads_per_rank=1)
+    out = launch_phase("timing, 2 ranks", timing_worker, cfg, nprocs=2, timeout_s=args.timeout, tag="bench_hooks")
     report["env"]["torchreplicate_file_in_ranks"] = out[0]["torchreplicate_file"]
-    results = B.aggregate_timing(out, pairs=pairs_for(variants))
+    results = aggregate_timing(out, pairs_for(variants))
     m0 = out[0]["models"][MODEL]
     results[MODEL].update(
         collectives=m0["collectives"],
@@ -338,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     report["results"] = results
     report["refused"] = out[0]["refused"]
-    B.finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "hooks")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "hooks")
     return 0
 
 

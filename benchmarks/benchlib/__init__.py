@@ -1,0 +1,27 @@
+"""Shared pieces of the benchmarks, one module per job.
+
+- ``models``: the benchmark models and their batches, built alike on every rank;
+- ``engines``: ``Engine``, one model copy wrapped one way with its own optimizer;
+- ``ranks``: starting rank processes (``launch_phase``) and what each does first;
+- ``rounds``: ``run_rounds``, the interleaved timed rounds;
+- ``stats``: summaries, paired per-round ratios, ``aggregate_timing``;
+- ``collectives``: counting collectives and bytes on the wire;
+- ``memory``: the peak-RSS phase;
+- ``breakdown``: our reducer's phases, read from ``torch.profiler`` labels;
+- ``breakdown_table``: the breakdown's table and warnings in the report;
+- ``report``: run environment, JSON and markdown files.
+
+The scripts import these as ``benchlib.<module>``: a script's own folder is
+on ``sys.path`` when it runs as ``python benchmarks/<script>.py``.
+"""
+
+import importlib.util
+import os
+import sys
+
+# A checkout without ``pip install -e .``: fall back to its src/. Spawned
+# ranks inherit sys.path, so they import the same copy.
+if importlib.util.find_spec("torchreplicate") is None:
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    )

@@ -1,0 +1,121 @@
+"""What a report records about its run, and writing it: ``<name>.json`` and ``<name>.md``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+import torchreplicate
+
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(BENCHMARKS)
+RESULTS_DIR = os.path.join(BENCHMARKS, "results")  # the scripts' default --out
+MiB = 1024 * 1024
+
+
+def run_env(**extra: Any) -> dict:
+    """What a report records at the start of a run: torch, Python, CPUs, git, load; plus ``extra``."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torchreplicate_file": torchreplicate.__file__,
+        "git": git_info(),
+        "loadavg_start": os.getloadavg(),
+        "threads_per_rank": 1,
+        **extra,
+    }
+
+
+def git_info() -> dict:
+    """This checkout's HEAD and the ``git status`` of its ``src/`` (empty strings without git)."""
+
+    def run(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return ""
+
+    return {"head": run("rev-parse", "HEAD"), "src_status": run("status", "--porcelain", "--", "src")}
+
+
+def source_info(module_file: Optional[str]) -> dict:
+    """Which torchreplicate a process imported: this checkout's, or a snapshot.
+
+    A snapshot is a ``git archive`` copy with the commit in ``SNAPSHOT_COMMIT``
+    (see ``benchmarks/snapshot.sh``), so that edits to ``src/`` during a run
+    do not reach the benchmark.
+    """
+    if not module_file:
+        return {}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(module_file))))
+    info: dict[str, Any] = {"root": root, "is_this_checkout": os.path.realpath(root) == os.path.realpath(REPO)}
+    marker = os.path.join(root, "SNAPSHOT_COMMIT")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            info["snapshot_commit"] = f.read().strip()
+    return info
+
+
+def run_header(report: dict) -> str:
+    """One line for the markdown: what was measured, where, under what load."""
+    env = report.get("env", {})
+    src = env.get("source", {})
+    git = env.get("git", {})
+    commit = src.get("snapshot_commit") or (
+        git.get("head", "?") + (" + uncommitted src/" if git.get("src_status") else "")
+    )
+    where = "git-archive snapshot" if src.get("snapshot_commit") else "working tree"
+
+    def load(v: Optional[list]) -> str:
+        return "/".join(f"{x:.2f}" for x in v) if v else "?"
+
+    return (
+        f"_torchreplicate {commit[:12]} ({where}), torch {env.get('torch', '?')}, {env.get('cpu_count', '?')} CPUs, "
+        f"load average (1/5/15 min) {load(env.get('loadavg_start'))} at start, {load(env.get('loadavg_end'))} at end_"
+    )
+
+
+def finish_report(
+    report: dict, started: float, rank_file: Optional[str], table_of: Callable[[dict], str], out_dir: str, name: str
+) -> str:
+    """Stamps the end load, the measured source and the run time; writes and prints the report.
+
+    Args:
+        report: the JSON-able report, with ``env`` from ``run_env``.
+        started: ``time.time()`` at the start of the run.
+        rank_file: ``torchreplicate.__file__`` as the ranks imported it.
+        table_of: report -> markdown (without the header line, which is added here).
+        out_dir: where ``<name>.json`` and ``<name>.md`` go.
+        name: the files' stem.
+
+    Returns:
+        The markdown, header line included.
+    """
+    report["env"]["loadavg_end"] = os.getloadavg()
+    report["env"]["source"] = source_info(rank_file)
+    report["elapsed_s"] = time.time() - started
+    table = run_header(report) + "\n\n" + table_of(report)
+    path = write_report(report, table, out_dir, name)
+    print()
+    print(table)
+    print(f"[bench] wrote {path} and {name}.md in {report['elapsed_s']:.0f} s")
+    return table
+
+
+def write_report(report: dict, table: str, out_dir: str, name: str) -> str:
+    """Writes ``<name>.json`` (atomically) and ``<name>.md`` in ``out_dir``; returns the JSON path."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(json_path + ".tmp", json_path)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table)
+    return json_path
