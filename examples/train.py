@@ -8,6 +8,19 @@ Run with our launcher or with torchrun, unchanged:
 Each rank trains on its own slice of every global batch. At the end the ranks
 compare their weights bit for bit, and rank 0 replays the same training in one
 process on the whole batches to show the replicas match it.
+
+Restart and resume: with ``--checkpoint-dir DIR --save-every K`` the script
+saves model, optimizer and data position with torch.distributed.checkpoint
+every K steps and, on start, resumes from the newest complete checkpoint in
+DIR, also at another world size. Under ``torchrun --max-restarts N`` a
+failed worker group is restarted and carries on from there:
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 \
+        --max-restarts 3 examples/train.py --checkpoint-dir /tmp/ckpt --save-every 50
+
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch 2.13's torchrun keeps one
+store across restarts, and a restarted group can read the failed group's
+stale addresses; pytorch/pytorch#135712.)
 """
 
 from __future__ import annotations
@@ -19,10 +32,15 @@ import copy
 import hashlib
 import importlib
 import io
+import os
+import re
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from torchreplicate import replicate
 
@@ -53,10 +71,55 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
     return windows[:, :CONTEXT], windows[:, CONTEXT], len(chars)
 
 
-def batches(num_samples: int, steps: int, global_batch: int):
+def batches(num_samples: int, steps: int, global_batch: int, start: int = 0):
+    """The global batches of steps ``start`` to ``steps - 1``: the same at any world size."""
     generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        yield torch.randint(0, num_samples, (global_batch,), generator=generator)
+    for step in range(steps):
+        index = torch.randint(0, num_samples, (global_batch,), generator=generator)
+        if step >= start:
+            yield index
+
+
+# -- checkpoints: torch.distributed.checkpoint, one fresh directory per save ------------------
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint under ``root`` (DCP writes ``.metadata`` last)."""
+    if not os.path.isdir(root):
+        return None
+    done = [d for d in os.listdir(root) if re.fullmatch(r"step_\d{8}", d)]
+    done = [d for d in sorted(done) if os.path.exists(os.path.join(root, d, ".metadata"))]
+    return os.path.join(root, done[-1]) if done else None
+
+
+def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Saves after ``step`` steps into a fresh directory, renamed into place once complete."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    final = os.path.join(root, f"step_{step:08d}")
+    partial = final + ".tmp"  # never written over: a crash mid-save leaves no half checkpoint named step_*
+    dcp.save({"model": model_state, "optim": optim_state, "progress": {"step": step}}, checkpoint_id=partial)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(partial, final)
+    dist.barrier()
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Loads model and optimizer in place; returns the step to resume from."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "progress": {"step": 0}}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["progress"]["step"])
+
+
+def fail_here(fail_at: Optional[str], rank: int, step: int) -> None:
+    """Fault injection for the tests: ``--fail-at RANK:STEP`` kills that rank's process at that
+    step, in the first attempt only (torchrun's restart count is 0)."""
+    if fail_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        fail_rank, fail_step = (int(v) for v in fail_at.split(":"))
+        if (rank, step) == (fail_rank, fail_step):
+            os._exit(17)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -70,6 +133,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64, help="global batch size")
+    parser.add_argument("--checkpoint-dir", help="save here, and resume from the newest checkpoint here")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (0: never)")
+    parser.add_argument("--fail-at", help="RANK:STEP: that rank's process dies at that step (tests)")
+    parser.add_argument("--save-final", help="rank 0 writes the final state_dict here (torch.save)")
     options = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -83,16 +150,26 @@ def main() -> None:
     torch.manual_seed(rank)  # different on each rank: replicate() broadcasts rank 0's
     model = CharModel(vocab)
     replicate(model)
-    initial = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss_fn = nn.CrossEntropyLoss()
+    start = 0
+    resume_from = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {resume_from} at step {start}, world size {world_size}", flush=True)
+    initial = copy.deepcopy(model.state_dict())  # where this run starts: the reference replays from here
+    initial_optim = copy.deepcopy(optimizer.state_dict())
 
-    for step, index in enumerate(batches(len(inputs), options.steps, options.batch)):
+    for step, index in enumerate(batches(len(inputs), options.steps, options.batch, start), start):
+        fail_here(options.fail_at, rank, step)
         mine = index[rank * per_rank : (rank + 1) * per_rank]
         loss = loss_fn(model(inputs[mine]), targets[mine])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if options.checkpoint_dir and options.save_every and (step + 1) % options.save_every == 0:
+            save_checkpoint(options.checkpoint_dir, step + 1, model, optimizer)
         if step % 50 == 0 or step == options.steps - 1:
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
@@ -104,10 +181,13 @@ def main() -> None:
     if rank == 0:
         same = len(set(digests)) == 1
         print(f"weights by rank: {digests}  identical: {same}")
+        if options.save_final:
+            torch.save(model.state_dict(), options.save_final)
         reference = CharModel(vocab)
         reference.load_state_dict(initial)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=3e-3)
-        for index in batches(len(inputs), options.steps, options.batch):
+        ref_optimizer.load_state_dict(initial_optim)
+        for index in batches(len(inputs), options.steps, options.batch, start):
             loss_fn(reference(inputs[index]), targets[index]).backward()
             ref_optimizer.step()
             ref_optimizer.zero_grad()

@@ -124,15 +124,12 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
 def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """Our reducer for a module ``replicate()`` wrapped at world size 1, where it builds none.
 
-    Built by the library's own ``ReplicateState._build_reducer``, so it gets
+    Built by the library's own ``ReplicateState.build_reducer``, so it gets
     exactly the options and collaborators ``replicate()`` gives a reducer at
-    world size 2, whatever the constructor takes (it has gained arguments
-    more than once). The state does not hold it, so ``replicate()``'s forward
-    hooks behave as in the ``ours`` engine; the reducer's gradient hooks
-    queue the end of backward themselves. The benchmarks' one call of a
-    private method of the library: checked on torchreplicate 0d4088c and
-    ffc0aa9, torch 2.13.0.
+    world size 2, whatever the constructor takes. The state does not hold it,
+    so ``replicate()``'s forward hooks behave as in the ``ours`` engine; the
+    reducer's gradient hooks queue the end of backward themselves.
     """
     state = replicate.state(replicated)
     assert state.reducer is None, "replicate() builds no reducer at world size 1"
-    return state._build_reducer(None)
+    return state.build_reducer(None)

@@ -151,7 +151,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = self._build_reducer(None)
+            self.reducer = self.build_reducer(None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -259,7 +259,7 @@ class ReplicateState:
             self.watch = StallWatch(self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}")
             weakref.finalize(self, self.watch.stop)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
-            self.reducer = self._build_reducer(learned)
+            self.reducer = self.build_reducer(learned)
 
     def _wire_options(self) -> dict[str, str]:
         # What decides the size and order of every collective: it must agree.
@@ -271,7 +271,15 @@ class ReplicateState:
             "broadcast_buffers": str(config.broadcast_buffers),
         }
 
-    def _build_reducer(self, learned: Optional[Learned]) -> Reducer:
+    def build_reducer(self, learned: Optional[Learned]) -> Reducer:
+        """A reducer for the current plan, with this module's options (what a re-plan builds).
+
+        The state keeps the one it builds itself; the benchmark builds one at
+        world size 1 (where ``replicate()`` builds none) to time its bookkeeping.
+
+        Args:
+            learned: what the previous reducer learned, or None.
+        """
         return Reducer(
             self.plan.params,
             self.plan.names,
