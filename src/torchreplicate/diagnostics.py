@@ -1,8 +1,13 @@
-"""Error messages for cross-rank problems: pure functions, tested alone."""
+"""Error messages (cross-rank problems, refused patterns): plain functions, tested alone."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchreplicate.bucket import ParamSlot
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 
@@ -108,3 +113,27 @@ def format_desync(reports: Sequence[DesyncReport], this_rank: int, backward: int
 
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
+    """Refuses a replicated parameter that carries someone else's post-accumulate-grad hook."""
+    for slot in slots:
+        if slot.param._post_accumulate_grad_hooks:
+            raise ValueError(
+                f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
+                "by someone else; it would run on this rank's local gradient before the average "
+                "(an optimizer stepped there makes the replicas diverge). For an optimizer in "
+                "backward use torch.distributed.optim._apply_optimizer_in_backward, which "
+                "replicate() steps after the average; otherwise step after backward()"
+            )
+
+
+def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
+    """The error for a gradient whose dtype, device or shape no longer fits its slot."""
+    buffer = slot.bucket.buffer
+    return RuntimeError(
+        f"replicate(): parameter {slot.name!r} changed since it was planned: its gradient is "
+        f"{grad.dtype} {tuple(grad.shape)} on {grad.device}, its bucket holds {buffer.dtype} "
+        f"{tuple(slot.param.shape)} on {buffer.device}. Convert the whole replicated model "
+        "(model.to(...), model.double(), ...: replicate() re-plans) or convert before replicate()"
+    )

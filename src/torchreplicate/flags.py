@@ -28,6 +28,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from torchreplicate.switches import TrainingClock
+
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
 
@@ -85,12 +87,14 @@ class StepFlags:
         tail: where the flags travel (``num_flags(num_params)`` elements).
         num_params: number of reduced parameters.
         layout_digest: a digest of the bucket layout, equal on ranks that agree.
+        clock: the module's training clock, sent at every write.
     """
 
-    def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int) -> None:
+    def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
         assert tail.numel() == num_flags(num_params), (tail.numel(), num_params)
         self.tail = tail  # a view into the last bucket's wire, or the hook path's own tensor
         self.num_params = num_params
+        self.clock = clock
         # An ordinary step: a gradient for every parameter, nothing late; the
         # clock's residues are written at each step, the layout's once here.
         self.ordinary = torch.ones_like(tail)
@@ -99,10 +103,10 @@ class StepFlags:
         self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=tail.dtype)
         self._clock_cache: tuple[int, torch.Tensor] = (-1, self.ordinary)  # (clock, ordinary with its residues)
 
-    def write(self, unused_here: Sequence[int], late: bool, clock: int) -> None:
-        """Fills the tail with this rank's flags."""
+    def write(self, unused_here: Sequence[int], late: bool) -> None:
+        """Fills the tail with this rank's flags (and the clock as it is now)."""
         tail = self.tail
-        tail.copy_(self._ordinary_at(clock))
+        tail.copy_(self._ordinary_at(self.clock.steps))
         if unused_here:
             tail[torch.tensor(unused_here, device=tail.device)] = 0
         if late:

@@ -53,7 +53,7 @@ import functools
 import hashlib
 import warnings
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,60 +63,15 @@ from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
-from torchreplicate.diagnostics import DesyncReport, format_desync
+from torchreplicate.diagnostics import DesyncReport, changed_since_plan, format_desync, refuse_foreign_hooks
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
 from torchreplicate.profiling import labelled
 from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
+from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.torch_internals import queue_end_of_backward_callback
 from torchreplicate.watchdog import StallWatch
-
-
-class SyncSwitch:
-    """Whether backwards average gradients; shared by a module's state and its reducers.
-
-    One fact, stored once: ``set_requires_gradient_sync`` flips it, every
-    reducer built for the module (also after a re-plan) reads it at backward.
-    """
-
-    __slots__ = ("on",)
-
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
-
-
-class TrainingClock:
-    """A module's training clock: optimizer steps over its parameters ([Note: desync detection]).
-
-    Shared by the module's state (which sets the parameters to watch at each
-    plan) and its reducers (which send the clock with the flags); the
-    registry's optimizer hook advances it.
-    """
-
-    __slots__ = ("steps", "param_ids")
-
-    def __init__(self) -> None:
-        self.steps = 0  # optimizer steps that touched the module's replicated parameters
-        self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
-
-    def note_step(self, optimizer_param_ids: frozenset[int]) -> None:
-        """Counts an optimizer step if it holds one of the module's parameters."""
-        if not self.param_ids.isdisjoint(optimizer_param_ids):
-            self.steps += 1
-
-
-class Learned(NamedTuple):
-    """What a reducer learned, handed to its successor on a re-plan.
-
-    Attributes:
-        expected: firings per backward, by ``id`` of the parameter (read
-            while those parameters are alive).
-        num_steps: synchronised backwards completed.
-    """
-
-    expected: dict[int, int]
-    num_steps: int
 
 
 class Reducer:
@@ -161,13 +116,12 @@ class Reducer:
         self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
         self.layout = layout
         self.sync = sync
-        self.clock = clock
         self.watch = watch
         self.slots = [
             ParamSlot(i, p, n, learned.expected.get(id(p), 0))
             for i, (p, n) in enumerate(zip(params, names, strict=True))
         ]
-        _refuse_foreign_hooks(self.slots)
+        refuse_foreign_hooks(self.slots)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         self.buckets = self._build_buckets(
             [slot for slot in self.slots if id(slot.param) not in sparse], bucket_cap_bytes, first_bucket_cap_bytes
@@ -180,7 +134,7 @@ class Reducer:
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
-        self.flags = self._bind(reduction)
+        self.flags = self._bind(reduction, clock)
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
         # - Per step: replaced at the end of each synchronised backward
@@ -248,16 +202,16 @@ class Reducer:
                 "step(s); register the hook before the first backward"
             )
         self.reduction = reduction
-        self.flags = self._bind(reduction)
+        self.flags = self._bind(reduction, self.flags.clock)
 
     @property
     def timeout(self) -> Optional[timedelta]:
         """Per-operation timeout of the reducer's collectives (the watchdog's), or None."""
         return None if self.watch is None else self.watch.timeout
 
-    def _bind(self, reduction: Reduction) -> StepFlags:
+    def _bind(self, reduction: Reduction, clock: TrainingClock) -> StepFlags:
         tail = reduction.bind(self.buckets, num_flags(len(self.slots)), self._group, self.timeout)
-        return StepFlags(tail, len(self.slots), self.layout_digest)
+        return StepFlags(tail, len(self.slots), self.layout_digest, clock)
 
     @property
     def layout_digest(self) -> int:
@@ -293,7 +247,7 @@ class Reducer:
             self.layout.keep_local(slot)
             return
         if grad.dtype is not slot.dtype:
-            raise _changed_since_plan(slot, grad)
+            raise changed_since_plan(slot, grad)
         if torch.is_grad_enabled():
             # backward(create_graph=True): the average cannot keep the graph
             _warn_create_graph()
@@ -318,7 +272,7 @@ class Reducer:
         except RuntimeError as error:
             grad = slot.param.grad
             if grad is not None and (grad.device != slot.bucket.buffer.device or grad.shape != slot.view.shape):
-                raise _changed_since_plan(slot, grad) from error
+                raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
             bucket.pending -= 1
@@ -381,7 +335,7 @@ class Reducer:
                 if not self.layout.fill(slot, step, self.reduction):
                     unused_here.append(slot.index)
             if bucket is self.buckets[-1]:
-                self.flags.write(unused_here, step.late, self.clock.steps)
+                self.flags.write(unused_here, step.late)
             self._launch(bucket, step)
         watch = self.watch
         for bucket in self.buckets:
@@ -414,7 +368,7 @@ class Reducer:
         # Every rank read the same sums, so every rank is here: one more agreed
         # collective gathers who is where ([Note: desync detection] in flags.py).
         group = self.group
-        mine = DesyncReport(dist.get_rank(group), self.clock.steps, self.layout_digest)
+        mine = DesyncReport(dist.get_rank(group), self.flags.clock.steps, self.layout_digest)
         reports: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(reports, mine, group=group)
         raise RuntimeError(format_desync(reports, mine.rank, self.num_steps, sums.clocks_agree))
@@ -462,28 +416,6 @@ class Reducer:
                 changed.add(slot.bucket.index)
         for index in changed:
             self.buckets[index].relearn()
-
-
-def _refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
-    for slot in slots:
-        if slot.param._post_accumulate_grad_hooks:
-            raise ValueError(
-                f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
-                "by someone else; it would run on this rank's local gradient before the average "
-                "(an optimizer stepped there makes the replicas diverge). For an optimizer in "
-                "backward use torch.distributed.optim._apply_optimizer_in_backward, which "
-                "replicate() steps after the average; otherwise step after backward()"
-            )
-
-
-def _changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
-    buffer = slot.bucket.buffer
-    return RuntimeError(
-        f"replicate(): parameter {slot.name!r} changed since it was planned: its gradient is "
-        f"{grad.dtype} {tuple(grad.shape)} on {grad.device}, its bucket holds {buffer.dtype} "
-        f"{tuple(slot.param.shape)} on {buffer.device}. Convert the whole replicated model "
-        "(model.to(...), model.double(), ...: replicate() re-plans) or convert before replicate()"
-    )
 
 
 def _warn_create_graph() -> None:

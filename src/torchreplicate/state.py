@@ -22,9 +22,10 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
-from torchreplicate.reducer import Learned, Reducer, SyncSwitch, TrainingClock
+from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.registry import registration_count
+from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.watchdog import StallWatch
 
 MiB = 1024 * 1024
