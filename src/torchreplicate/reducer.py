@@ -64,6 +64,7 @@ from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
 from torchreplicate.diagnostics import DesyncReport, changed_since_plan, format_desync, refuse_foreign_hooks
+from torchreplicate.events import StepEvents
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
 from torchreplicate.profiling import labelled
@@ -117,6 +118,7 @@ class Reducer:
         self.layout = layout
         self.sync = sync
         self.watch = watch
+        self.events: Optional[StepEvents] = None  # an observer of the step's timeline (trace.py), off by default
         self.slots = [
             ParamSlot(i, p, n, learned.expected.get(id(p), 0))
             for i, (p, n) in enumerate(zip(params, names, strict=True))
@@ -235,6 +237,8 @@ class Reducer:
             step.finalize_queued = True
             if self.watch is not None:
                 self.watch.at("backward", self.num_steps)
+            if self.events is not None:
+                self.events.backward(self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
     @labelled("hook")
@@ -264,6 +268,8 @@ class Reducer:
         if fired > slot.expected:
             step.grew = True  # a count to learn at the end of the step
         bucket = slot.bucket
+        if self.events is not None:
+            self.events.grad(bucket.index)
         if bucket.index < step.num_launched:
             step.late = True  # the fresh .grad is reduced by the late round
             return
@@ -292,6 +298,8 @@ class Reducer:
             bucket = self.buckets[step.num_launched]
             self.layout.detach(bucket, step, self.reduction)
             self._launch(bucket, step)
+            if self.events is not None:
+                self.events.launch(bucket.index, True)
 
     @labelled("launch")
     def _launch(self, bucket: Bucket, step: StepState) -> None:
@@ -329,6 +337,9 @@ class Reducer:
 
     def _finish_step(self, step: StepState) -> None:
         num_early = step.num_launched  # launched from hooks, .grad detached
+        events = self.events
+        if events is not None:
+            events.finalize(self.num_steps)
         unused_here = self.sparse.unused_here()
         for bucket in self.buckets[num_early:]:
             for slot in bucket.slots:
@@ -337,11 +348,17 @@ class Reducer:
             if bucket is self.buckets[-1]:
                 self.flags.write(unused_here, step.late)
             self._launch(bucket, step)
+            if events is not None:
+                events.launch(bucket.index, False)
         watch = self.watch
         for bucket in self.buckets:
             if watch is not None:
                 watch.at(f"bucket {bucket.index} ({bucket.describe()})", self.num_steps)
+            if events is not None:
+                events.waiting(bucket.index)
             self._wait(bucket)
+            if events is not None:
+                events.done(bucket.index)
         if watch is not None:
             watch.at("the flags' all-reduce", self.num_steps)
         self.reduction.reduce_flags()
@@ -358,6 +375,8 @@ class Reducer:
         self.num_steps += 1
         if watch is not None:
             watch.at("user code after the backward", self.num_steps)
+        if events is not None:
+            events.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
         for slot in self._in_backward:  # every .grad is final now
             if slot.param.grad is not None:
                 for optimizer in slot.optimizers:
@@ -380,10 +399,21 @@ class Reducer:
         except (TypeError, ValueError) as error:
             _raise_with_place(error, self._where(bucket))
 
+    def wire_bytes(self, late: bool = False) -> int:
+        """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
+        wire: int = sum(w.numel() * w.element_size() for w in getattr(self.reduction, "wires", ()))
+        if not wire:  # a comm hook: the buckets as handed to it, and the flags
+            wire = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        if late:
+            wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
+        return wire
+
     @labelled("late_round")
     def _reduce_late(self, late_grads: LateGrads) -> None:
         if self.watch is not None:
             self.watch.at("late round", self.num_steps)
+        if self.events is not None:
+            self.events.late_round(True)
         # One more agreed round: every rank sends its late gradients (zeros
         # where it has none), bucket by bucket, and adds their mean.
         for bucket in self.buckets:
@@ -405,6 +435,8 @@ class Reducer:
                 grad = slot.param.grad
                 if grad is not None:
                     grad.add_(piece)
+        if self.events is not None:
+            self.events.late_round(False)
 
     def _learn(self, step: StepState) -> None:
         if not step.grew:

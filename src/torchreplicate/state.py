@@ -19,6 +19,7 @@ from torch import nn
 from torchreplicate import torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
+from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
@@ -71,6 +72,7 @@ class ReplicateState:
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
+        self.events: Optional[StepEvents] = None  # an observer of every step's timeline (trace.py)
         self._num_forwards = 0  # forwards of the root with gradients enabled
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -157,6 +159,15 @@ class ReplicateState:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
 
+    def set_events(self, events: Optional[StepEvents]) -> None:
+        """Attaches an observer of every step's timeline (events.py), or detaches it (None).
+
+        It stays attached across re-plans.
+        """
+        self.events = events
+        if self.reducer is not None:
+            self.reducer.events = events
+
     def remove_hooks(self) -> None:
         """Removes every hook ``replicate()`` installed (forward and gradient)."""
         for handle in self._handles:
@@ -238,6 +249,8 @@ class ReplicateState:
         plan = self._make_plan()
         if not plan.same_as(self.plan):
             self._adopt(plan, new_tensors(self.plan, plan))
+            if self.events is not None:
+                self.events.replan(0 if self.reducer is None else self.reducer.num_steps)
 
     def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
         # Checks the plan across ranks, broadcasts what is new to it from rank 0
@@ -281,7 +294,7 @@ class ReplicateState:
         Args:
             learned: what the previous reducer learned, or None.
         """
-        return Reducer(
+        reducer = Reducer(
             self.plan.params,
             self.plan.names,
             self.group,
@@ -295,6 +308,8 @@ class ReplicateState:
             sparse=self.plan.sparse,
             learned=learned,
         )
+        reducer.events = self.events
+        return reducer
 
     def _collective_device(self) -> torch.device:
         if dist.get_backend(self.group) == "nccl":
