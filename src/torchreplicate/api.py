@@ -11,8 +11,9 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from torchreplicate.config import ReplicateConfig, check_process_group, to_device, to_ignored_modules
+from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.registry import find_state, get_state, register_state, unregister_state
 from torchreplicate.state import ReplicateState, is_fully_sharded, warn_no_effect
 
@@ -118,6 +119,8 @@ def replicate(
     ignored_modules: Optional[Iterable[nn.Module]] = None,
     device_id: Union[int, torch.device, None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    mesh: Optional[DeviceMesh] = None,
+    device_mesh: Optional[DeviceMesh] = None,
     bucket_cap_mb: float = 25,
     first_bucket_cap_mb: float = 1,
     gradient_as_bucket_view: bool = True,
@@ -146,6 +149,12 @@ def replicate(
             accelerator) or a ``torch.device`` to move the module to first.
             Default: leave it where it is.
         process_group: the group to average over. Default: the world group.
+        mesh: instead of ``process_group``, a 1-D ``DeviceMesh`` whose group
+            is averaged over: with tensor parallelism, the data-parallel
+            slice of the 2-D mesh (``mesh["dp"]``); DTensor parameters on
+            the other dimension are averaged shard by shard and stay
+            DTensors. Default: none (the world group).
+        device_mesh: the same as ``mesh``, under DDP's name.
         bucket_cap_mb: gradients travel in buckets of about this many MiB.
             Default 25.
         first_bucket_cap_mb: cap of the first bucket, small so the first
@@ -187,7 +196,11 @@ def replicate(
     if is_fully_sharded(module):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
     device = to_device(device_id)
-    check_process_group(process_group)
+    if mesh is not None and device_mesh is not None:
+        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
+    process_group = resolve_group(
+        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
+    )
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
         device_id=device,

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from torchreplicate.dtensors import grad_wrapper, is_dtensor, local, local_grad
+
 NEVER = 1 << 60  # firings a bucket waits for when it cannot become ready from hooks
 
 
@@ -29,7 +31,18 @@ class ParamSlot:
             re-plan carries it over from the previous reducer).
     """
 
-    __slots__ = ("index", "param", "name", "dtype", "bucket", "view", "expected", "optimizers")
+    __slots__ = (
+        "index",
+        "param",
+        "name",
+        "dtype",
+        "distributed",
+        "bucket",
+        "view",
+        "grad_obj",
+        "expected",
+        "optimizers",
+    )
 
     def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:
         # - Layout: fixed once the buckets are built
@@ -39,13 +52,19 @@ class ParamSlot:
         # planned dtype; not view.dtype: module._apply (a submodule's .double())
         # swaps the data of an existing .grad, which may be the view itself
         self.dtype = param.dtype
+        self.distributed = is_dtensor(param)  # a DTensor: the slot holds its local shard (dtensors.py)
         self.bucket: Bucket  # set by Bucket.__init__ (never for a sparse parameter)
-        self.view: torch.Tensor  # this parameter's gradient in the bucket, shaped like it
+        self.view: torch.Tensor  # this parameter's (local) gradient in the bucket, shaped like it
+        self.grad_obj: torch.Tensor  # what .grad is set to: the view, or a DTensor around it
         # torch's optimizer-in-backward: stepped by the reducer once the average is in .grad
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(getattr(param, "_in_backward_optimizers", ()))
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
         self.expected = expected
+
+    def plain(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient of this parameter as a plain tensor shaped like the view."""
+        return local_grad(grad, self.param) if self.distributed else grad
 
 
 class Bucket:
@@ -66,14 +85,16 @@ class Bucket:
         # - Layout
         self.index = index
         self.slots = list(slots)
-        numel = sum(slot.param.numel() for slot in self.slots)
+        numel = sum(local(slot.param).numel() for slot in self.slots)
         self.buffer = torch.zeros(numel + extra, dtype=dtype, device=device)  # gradients, then `extra`
         self.grads = self.buffer[:numel]  # the gradient part: what comm hooks and the late round see
         offset = 0
         for slot in self.slots:
+            shard = local(slot.param)
             slot.bucket = self
-            slot.view = self.grads[offset : offset + slot.param.numel()].view_as(slot.param)
-            offset += slot.param.numel()
+            slot.view = self.grads[offset : offset + shard.numel()].view_as(shard)
+            slot.grad_obj = grad_wrapper(slot.view, slot.param)
+            offset += shard.numel()
         # - Learned: firings to wait for before launching from a hook, derived
         #   from the slots' expected counts; cached because the hook reads it
         self.num_to_wait = self._count_waits()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.diagnostics import format_option_mismatch, format_param_mismatch
+from torchreplicate.dtensors import describe_placement
 
 
 class WeakGroup:
@@ -54,7 +55,7 @@ def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> lis
 
 
 def _dtype_text(param: torch.Tensor) -> str:
-    text = str(param.dtype).replace("torch.", "")
+    text = str(param.dtype).replace("torch.", "") + describe_placement(param)
     return text if param.requires_grad else text + " (frozen)"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Optional, Union, cast
+from typing import Any, Iterable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -87,14 +87,42 @@ def _is_positive_finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def check_process_group(process_group: object) -> None:
-    """Refuses a ``replicate(process_group=...)`` that is not a process group."""
+def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> Optional[dist.ProcessGroup]:
+    """The group ``replicate(process_group=..., mesh=...)`` averages over (None: the world).
+
+    Args:
+        process_group: a ``ProcessGroup`` or None.
+        mesh: a 1-D ``DeviceMesh`` (the data-parallel dimension) or None.
+        option: the mesh option's name as the user spelled it, for messages.
+
+    Raises:
+        TypeError / ValueError: a wrong type, both given, or a mesh not 1-D.
+    """
+    if process_group is not None and mesh is not None:
+        raise ValueError(
+            f"replicate(): pass either process_group= or {option}=, not both (the {option}'s group "
+            "is the process group)"
+        )
+    if mesh is not None:
+        if type(mesh).__name__ != "DeviceMesh":
+            raise TypeError(f"replicate(): {option} must be a DeviceMesh, got {type(mesh).__name__}")
+        device_mesh: Any = mesh
+        if device_mesh.ndim != 1:
+            names = device_mesh.mesh_dim_names or ()
+            slice_hint = f"{option}=mesh[{names[0]!r}]" if names else f'{option}=mesh["dp"] (name the dimensions)'
+            raise ValueError(
+                f"replicate(): {option} must be 1-D, the data-parallel dimension; got a {device_mesh.ndim}-D "
+                f"mesh {tuple(names)}. Pass its data-parallel slice, e.g. {slice_hint}; parameters that "
+                "are DTensors on the other dimensions (tensor parallel) keep their placements"
+            )
+        group: dist.ProcessGroup = device_mesh.get_group(0)
+        return group
     if process_group is None or isinstance(process_group, dist.ProcessGroup):
-        return
+        return process_group
     if type(process_group).__name__ == "DeviceMesh":
         raise TypeError(
             "replicate(): process_group must be a torch.distributed.ProcessGroup, got a DeviceMesh; "
-            "pass process_group=mesh.get_group() (a 1-D mesh)"
+            "pass mesh=mesh (1-D) or process_group=mesh.get_group()"
         )
     raise TypeError(
         "replicate(): process_group must be a torch.distributed.ProcessGroup "

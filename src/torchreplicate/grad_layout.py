@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
+from torchreplicate.dtensors import grad_wrapper, local
 from torchreplicate.flags import FlagSums
 from torchreplicate.reduction import Reduction
 
@@ -66,24 +67,26 @@ class ViewLayout(GradLayout):
     def adopt(self, slots: Sequence[ParamSlot]) -> None:
         for slot in slots:
             if slot.param.grad is not None:
-                slot.view.copy_(slot.param.grad)
-                slot.param.grad = slot.view
+                slot.view.copy_(slot.plain(slot.param.grad))
+                slot.param.grad = slot.grad_obj
 
     def keep_local(self, slot: ParamSlot) -> None:
         # .grad was set to None (zero_grad) or replaced: move it into the bucket
         param = slot.param
         grad = param.grad
         assert grad is not None, "the hook runs after an accumulation into .grad"
-        if grad is not slot.view:
-            slot.view.copy_(grad)
-            param.grad = slot.view
+        if grad is not slot.grad_obj:
+            slot.view.copy_(slot.plain(grad))
+            param.grad = slot.grad_obj
 
     def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
         param = slot.param
         grad = param.grad
         assert grad is not None, "the hook runs after an accumulation into .grad"
-        if grad is slot.view:
+        if grad is slot.grad_obj:
             return  # accumulated in place: finish_absorbing handles it at launch
+        if slot.distributed:
+            grad = slot.plain(grad)
         if step.absorbed[slot.index]:
             reduction.fold(grad, slot)  # a further accumulation in this backward
         else:
@@ -102,8 +105,8 @@ class ViewLayout(GradLayout):
         if grad is None:
             slot.view.zero_()
             return False
-        if grad is not slot.view:
-            slot.view.copy_(grad)  # brought to the absorbed form with the bucket at launch
+        if grad is not slot.grad_obj:
+            slot.view.copy_(slot.plain(grad))  # brought to the absorbed form with the bucket at launch
         return True
 
     def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
@@ -111,7 +114,7 @@ class ViewLayout(GradLayout):
         if not sums.unused_everywhere and not sums.any_late:
             for bucket in buckets:  # the ordinary step
                 for slot in bucket.slots:
-                    slot.param.grad = slot.view
+                    slot.param.grad = slot.grad_obj
             return late
         for bucket in buckets:
             early = bucket.index < num_early
@@ -119,12 +122,12 @@ class ViewLayout(GradLayout):
                 param = slot.param
                 if early:
                     if param.grad is not None:
-                        late[slot.index] = param.grad
-                    param.grad = slot.view
+                        late[slot.index] = slot.plain(param.grad)
+                    param.grad = slot.grad_obj
                 elif slot.index in sums.unused_everywhere:
                     param.grad = None
-                elif param.grad is not slot.view:
-                    param.grad = slot.view
+                elif param.grad is not slot.grad_obj:
+                    param.grad = slot.grad_obj
         return late
 
 
@@ -135,7 +138,7 @@ class CopyLayout(GradLayout):
         for slot in bucket.slots:
             grad = slot.param.grad
             assert grad is not None, "a bucket launches from a hook only once every slot has a gradient"
-            reduction.absorb(grad, slot)  # the copy into the slot is the scaling pass
+            reduction.absorb(slot.plain(grad), slot)  # the copy into the slot is the scaling pass
             _mark_absorbed(slot, step)
             step.held[slot.index] = grad
             slot.param.grad = None
@@ -146,7 +149,7 @@ class CopyLayout(GradLayout):
             slot.view.zero_()
             _mark_absorbed(slot, step)
             return False
-        reduction.absorb(grad, slot)
+        reduction.absorb(slot.plain(grad), slot)
         _mark_absorbed(slot, step)
         return True
 
@@ -158,16 +161,16 @@ class CopyLayout(GradLayout):
                 param = slot.param
                 if early:
                     if param.grad is not None:
-                        late[slot.index] = param.grad
+                        late[slot.index] = slot.plain(param.grad)
                     held = step.held.pop(slot.index)
-                    held.copy_(slot.view)
+                    local(held).copy_(slot.view)
                     param.grad = held
                 elif slot.index in sums.unused_everywhere:
                     param.grad = None
                 elif param.grad is None:
-                    param.grad = slot.view.clone()
+                    param.grad = grad_wrapper(slot.view.clone(), param)
                 else:
-                    param.grad.copy_(slot.view)
+                    local(param.grad).copy_(slot.view)
         return late
 
 

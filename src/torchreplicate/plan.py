@@ -35,6 +35,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
+from torchreplicate.dtensors import local
+
 BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 
 
@@ -150,7 +152,7 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module]) -> Plan:
 def new_tensors(old: Plan, new: Plan) -> list[torch.Tensor]:
     """Candidates and buffers in ``new`` that ``old`` did not hold: what a re-plan broadcasts."""
     old_params = {id(p) for p in old.candidates}
-    fresh: list[torch.Tensor] = [p.detach() for p in new.candidates if id(p) not in old_params]
+    fresh: list[torch.Tensor] = [local(p).detach() for p in new.candidates if id(p) not in old_params]
     old_buffers = set(_buffer_keys(old.buffers))
     values = new.buffer_values()
     fresh += [b for key, b in zip(_buffer_keys(new.buffers), values, strict=True) if key not in old_buffers]

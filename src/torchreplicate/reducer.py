@@ -64,6 +64,7 @@ from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
 from torchreplicate.diagnostics import DesyncReport, changed_since_plan, format_desync, refuse_foreign_hooks
+from torchreplicate.dtensors import local
 from torchreplicate.events import StepEvents
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
@@ -172,7 +173,7 @@ class Reducer:
         extra = num_flags(len(self.slots))
         if not dense:  # only sparse parameters: the flags still need a bucket to travel in
             return [Bucket(0, [], torch.float32, self.slots[0].param.device, extra=extra)]
-        params = [slot.param for slot in dense]
+        params = [local(slot.param) for slot in dense]
         specs = plan_buckets(
             [p.numel() for p in params],
             [p.dtype for p in params],
@@ -277,7 +278,7 @@ class Reducer:
             self.layout.take(slot, step, self.reduction)
         except RuntimeError as error:
             grad = slot.param.grad
-            if grad is not None and (grad.device != slot.bucket.buffer.device or grad.shape != slot.view.shape):
+            if grad is not None and (grad.device != slot.bucket.buffer.device or local(grad).shape != slot.view.shape):
                 raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
@@ -421,8 +422,8 @@ class Reducer:
             pieces = []
             offset = 0
             for slot in bucket.slots:
-                piece = extra[offset : offset + slot.param.numel()].view_as(slot.param)
-                offset += slot.param.numel()
+                piece = extra[offset : offset + slot.view.numel()].view_as(slot.view)
+                offset += slot.view.numel()
                 if slot.index in late_grads:
                     piece.copy_(late_grads[slot.index])
                 pieces.append(piece)
@@ -434,7 +435,7 @@ class Reducer:
                 # everywhere, and nothing late can have arrived for it.
                 grad = slot.param.grad
                 if grad is not None:
-                    grad.add_(piece)
+                    local(grad).add_(piece)
         if self.events is not None:
             self.events.late_round(False)
 

@@ -19,6 +19,7 @@ from torch import nn
 from torchreplicate import torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
+from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
@@ -219,7 +220,7 @@ class ReplicateState:
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self._collective_device())
-        self._adopt(plan, [p.detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
+        self._adopt(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
 
     def _stamp(self) -> tuple[int, ...]:
         # [Note: re-planning]: what moves when the plan may have changed
@@ -261,6 +262,8 @@ class ReplicateState:
             learned = self.reducer.learned
             self.reducer.remove_hooks()
             self.reducer = None
+        for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
+            check_mesh_apart(name, param, self.group)
         self.plan = plan
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
@@ -315,7 +318,7 @@ class ReplicateState:
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         for tensor in list(self.plan.candidates) + self.plan.buffer_values():
-            return tensor.device
+            return local(tensor).device
         return torch.device("cpu")
 
     # -- forward hooks -------------------------------------------------------
