@@ -547,7 +547,8 @@ def test_device_mesh_as_process_group_suggests_get_group():
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.__new__(DeviceMesh)  # the type is what matters; no process group needed
-    with pytest.raises(TypeError, match=r"got a DeviceMesh; pass process_group=mesh.get_group\(\)"):
+    hint = r"got a DeviceMesh; pass mesh=mesh \(1-D\) or process_group=mesh.get_group\(\)"
+    with pytest.raises(TypeError, match=hint):
         replicate(MLP(), process_group=mesh)
 
 

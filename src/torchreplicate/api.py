@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.registry import find_state, get_state, register_state, unregister_state
@@ -130,6 +131,7 @@ def replicate(
     reduce_dtype: Optional[torch.dtype] = None,
     gradient_divide_factor: Optional[float] = None,
     stall_timeout: Union[float, timedelta, None] = 60.0,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
 ) -> nn.Module:
     """Makes ``module`` a data-parallel replica, in place, and returns it.
 
@@ -180,6 +182,11 @@ def replicate(
             steps (saving a large checkpoint on rank 0) needs a larger value.
             Default 60; None turns the watchdog off (the process group's
             timeout applies, 30 minutes on gloo).
+        mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
+            compute in ``param_dtype`` with fp32 master weights and
+            gradients, reduce in ``reduce_dtype`` (default ``param_dtype``,
+            as FSDP2), inputs cast when ``cast_forward_inputs``, outputs
+            cast to ``output_dtype`` (see mixed_precision.py). Default None.
 
     Returns:
         ``module`` itself.
@@ -213,6 +220,7 @@ def replicate(
         reduce_dtype=reduce_dtype,
         gradient_divide_factor=gradient_divide_factor,
         stall_timeout=stall_timeout,
+        mp_policy=mp_policy,
     )
     if find_unused_parameters:
         warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")

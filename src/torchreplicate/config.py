@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate.mixed_precision import policy_dtypes
+
 
 @dataclass(frozen=True)
 class ReplicateConfig:
@@ -35,6 +37,14 @@ class ReplicateConfig:
     reduce_dtype: Optional[torch.dtype] = None
     gradient_divide_factor: Optional[float] = None
     stall_timeout: Union[float, timedelta, None] = 60.0
+    mp_policy: Any = None  # a torch.distributed.fsdp.MixedPrecisionPolicy
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype gradients travel in: ``reduce_dtype``, or the policy's (FSDP2's default: param_dtype)."""
+        if self.mp_policy is not None:
+            return policy_dtypes(self.mp_policy)[1]
+        return self.reduce_dtype
 
     @property
     def stall_timeout_s(self) -> Optional[float]:
@@ -67,6 +77,13 @@ class ReplicateConfig:
                 "replicate(): reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
                 f"got {self.reduce_dtype!r}"
             )
+        if self.mp_policy is not None:
+            _, policy_wire = policy_dtypes(self.mp_policy)  # checks the type
+            if self.reduce_dtype is not None and self.reduce_dtype != policy_wire:
+                raise ValueError(
+                    f"replicate(): reduce_dtype={self.reduce_dtype} and mp_policy (gradients reduced in "
+                    f"{policy_wire}) disagree; set the policy's reduce_dtype and drop replicate(reduce_dtype=...)"
+                )
         stall = self.stall_timeout
         seconds = stall.total_seconds() if isinstance(stall, timedelta) else stall
         if stall is not None and not _is_positive_finite(seconds):

@@ -22,6 +22,7 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
+from torchreplicate.mixed_precision import MixedPrecision
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
 from torchreplicate.reducer import Reducer
@@ -68,7 +69,9 @@ class ReplicateState:
         # - Reduction. How gradients are reduced (from the options, or a
         #   registered comm hook) and whether they are: kept here, so every
         #   reducer built for the module (also after a re-plan) shares them.
-        self.reduction: Reduction = AllReduce(config.reduce_dtype, config.gradient_divide_factor)
+        self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
+        # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
+        self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
@@ -76,7 +79,7 @@ class ReplicateState:
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline (trace.py)
         self._num_forwards = 0  # forwards of the root with gradients enabled
         self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True),
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward),
         ]
 
@@ -128,13 +131,16 @@ class ReplicateState:
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """See ``ReplicateModule.register_comm_hook``."""
         reduction = HookReduction(state, hook)  # checks the hook's signature
-        for option in ("reduce_dtype", "gradient_divide_factor"):
+        for option in ("reduce_dtype", "gradient_divide_factor", "mp_policy"):
             value = getattr(self.config, option)
+            if option == "mp_policy" and value is not None and self.config.wire_dtype in (None, torch.float32):
+                continue  # a policy that keeps fp32 gradients on the wire leaves the wire to the hook
             if value is not None:
                 raise ValueError(
                     f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
                     f"how gradients are reduced; drop {option} (the hook owns the wire format and "
-                    "the averaging, e.g. bf16_compress_hook)"
+                    "the averaging, e.g. bf16_compress_hook; with mp_policy, set its "
+                    "reduce_dtype=torch.float32)"
                 )
         if isinstance(self.reduction, HookReduction):
             raise RuntimeError(
@@ -174,6 +180,8 @@ class ReplicateState:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.mixed is not None:
+            self.mixed.remove()
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -265,6 +273,8 @@ class ReplicateState:
         for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
             check_mesh_apart(name, param, self.group)
         self.plan = plan
+        if self.mixed is not None:
+            self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
             plan.candidate_names, plan.candidates, self.group, self._collective_device(), self._wire_options()
@@ -284,7 +294,8 @@ class ReplicateState:
         return {
             "bucket_cap_mb": str(config.bucket_cap_mb),
             "first_bucket_cap_mb": str(config.first_bucket_cap_mb),
-            "reduce_dtype": str(config.reduce_dtype),
+            "reduce_dtype": str(config.wire_dtype),
+            "param_dtype": str(None if config.mp_policy is None else config.mp_policy.param_dtype),
             "broadcast_buffers": str(config.broadcast_buffers),
         }
 
@@ -325,7 +336,14 @@ class ReplicateState:
 
     @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
     @labelled("pre_forward")
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        self._sync_before_forward()
+        if self.mixed is None:
+            return None
+        cast = self.mixed.cast_inputs_of((args, kwargs))
+        return None if cast is None else (cast[0], cast[1])
+
+    def _sync_before_forward(self) -> None:
         if not torch.is_grad_enabled():
             return  # no collective: one rank may evaluate alone ([Note: re-planning])
         self._num_forwards += 1
@@ -360,6 +378,8 @@ class ReplicateState:
     @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.mixed is not None:
+            output = self.mixed.cast_output(output)
         reducer = self.reducer
         if reducer is None or not torch.is_grad_enabled():
             return output
