@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
-from torchreplicate.registry import find_state, get_state, register_state, unregister_state
-from torchreplicate.state import ReplicateState, is_fully_sharded, warn_no_effect
+from torchreplicate.registry import enclosing_state, find_state, get_state, register_state, unregister_state
+from torchreplicate.state import ReplicateState, class_name, is_fully_sharded, warn_no_effect
 
 
 class ReplicateModule:
@@ -101,17 +101,18 @@ class ReplicateModule:
 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
-    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__})
+    return type(
+        f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__, "original_class": cls}
+    )
 
 
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__(2) returns; not in typeshed
 
 
 def _original_class(cls: type) -> type:
-    # The class replicate() derived from: the base after ReplicateModule.
-    bases = cls.__bases__
-    assert len(bases) == 2 and bases[0] is ReplicateModule, bases
-    return bases[1]
+    # The class replicate() derived from.
+    original: type = cls.original_class  # type: ignore[attr-defined]
+    return original
 
 
 def replicate(
@@ -198,8 +199,21 @@ def replicate(
         TypeError / ValueError: an option has a bad value (the message names
             the option, the value and the fix).
     """
+    if isinstance(module, (list, tuple)):
+        raise TypeError(
+            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
+            "replicate each block and then their common parent (nested replicate: one collective "
+            "sequence, buckets that follow the blocks)"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    outer = enclosing_state(module)
+    if outer is not None:
+        raise RuntimeError(
+            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
+            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
+            "enclosing module (nested replicate, as torchtitan does)"
+        )
     if is_fully_sharded(module):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
     device = to_device(device_id)

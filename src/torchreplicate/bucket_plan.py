@@ -38,6 +38,7 @@ def plan_buckets(
     order: Sequence[int] | None = None,
     cap_bytes: int = 25 * MiB,
     first_cap_bytes: int = 1 * MiB,
+    groups: Sequence[int] | None = None,
 ) -> list[BucketSpec]:
     """Groups parameters into buckets, in the order their gradients are expected.
 
@@ -57,6 +58,10 @@ def plan_buckets(
             default reverse index order.
         cap_bytes: bucket size cap in bytes. Default 25 MiB.
         first_cap_bytes: cap of the first bucket closed, in bytes. Default 1 MiB.
+        groups: a group id per parameter (nested ``replicate()``: the
+            innermost replicated module holding it); a bucket never holds two
+            groups: every open bucket closes when the visit moves to another
+            group. Default: one group.
 
     Returns:
         The buckets, in launch order. Every parameter appears in exactly one.
@@ -71,6 +76,8 @@ def plan_buckets(
         order = range(count - 1, -1, -1)
     elif sorted(order) != list(range(count)):
         raise ValueError(f"plan_buckets: order must be a permutation of range({count}), got {list(order)}")
+    if groups is not None and len(groups) != count:
+        raise ValueError(f"plan_buckets: groups must have one entry per parameter, got {len(groups)} for {count}")
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(
             f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}"
@@ -83,7 +90,13 @@ def plan_buckets(
         indices, numel = open_buckets.pop(key)
         buckets.append(BucketSpec(tuple(indices), key[0], key[1], numel))
 
+    group = None
     for index in order:
+        if groups is not None:
+            if group is not None and groups[index] != group:
+                for open_key in list(open_buckets):
+                    close(open_key)
+            group = groups[index]
         key = (dtypes[index], torch.device(devices[index]))
         indices, numel = open_buckets.get(key, ([], 0))
         indices.append(index)

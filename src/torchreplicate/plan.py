@@ -57,6 +57,9 @@ class Plan(NamedTuple):
             themselves change at every forward (broadcast out of place).
         sparse: identities of the parameters that get sparse gradients
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``).
+        groups: per candidate, 0, or i > 0 when it belongs to the i-th inner
+            replicated module (nested ``replicate()``; the innermost wins):
+            its buckets hold no other group's parameters.
     """
 
     candidate_names: tuple[str, ...]
@@ -65,11 +68,17 @@ class Plan(NamedTuple):
     signature: tuple[tuple[object, ...], ...]
     buffers: tuple[BufferRef, ...]
     sparse: frozenset[int]
+    groups: tuple[int, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         """Fully qualified names of the replicated parameters (candidates that require grad)."""
         return tuple(n for n, t in zip(self.candidate_names, self.trainable, strict=True) if t)
+
+    @property
+    def param_groups(self) -> tuple[int, ...]:
+        """The group of each replicated parameter (see ``groups``)."""
+        return tuple(g for g, t in zip(self.groups, self.trainable, strict=True) if t)
 
     @property
     def params(self) -> tuple[nn.Parameter, ...]:
@@ -94,7 +103,7 @@ class Plan(NamedTuple):
         return values
 
 
-EMPTY_PLAN = Plan((), (), [], (), (), frozenset())
+EMPTY_PLAN = Plan((), (), [], (), (), frozenset(), ())
 
 
 def _buffer_keys(buffers: Sequence[BufferRef]) -> list[tuple[int, str]]:
@@ -111,13 +120,14 @@ def _signature(param: nn.Parameter) -> tuple[object, ...]:
     )
 
 
-def make_plan(root: nn.Module, skipped: Sequence[nn.Module]) -> Plan:
+def make_plan(root: nn.Module, skipped: Sequence[nn.Module], inner: Sequence[nn.Module] = ()) -> Plan:
     """Walks ``root`` and returns what it replicates.
 
     Args:
         root: the replicated module.
         skipped: modules whose parameters and buffers (and their
             descendants') are left alone (ignored, managed by ``fully_shard``).
+        inner: replicated modules inside ``root`` (nested ``replicate()``), outer ones first.
     """
     skipped_params = {id(p) for m in skipped for p in m.parameters()}
     skipped_buffers = {id(b) for m in skipped for b in m.buffers()}
@@ -134,6 +144,10 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module]) -> Plan:
                 continue
             buffer_ids.add(id(buffer))
             buffers.append((weakref.ref(module), name))
+    group_of: dict[int, int] = {}
+    for number, module in enumerate(inner, start=1):
+        for param in module.parameters():
+            group_of[id(param)] = number  # a deeper module comes later: the innermost wins
     sparse = {
         id(module.weight)
         for module in root.modules()
@@ -146,6 +160,7 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module]) -> Plan:
         signature=tuple(_signature(p) for p in candidates),
         buffers=tuple(buffers),
         sparse=frozenset(sparse),
+        groups=tuple(group_of.get(id(p), 0) for p in candidates),
     )
 
 

@@ -91,6 +91,7 @@ class Reducer:
         clock: the module's training clock (sent with the flags).
         watch: the module's stall watchdog (watchdog.py), or None when off.
         sparse: identities of the parameters with sparse gradients (sparse.py).
+        groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
         learned: what the previous reducer of the module learned (a re-plan).
 
     Raises:
@@ -111,6 +112,7 @@ class Reducer:
         clock: TrainingClock,
         watch: Optional[StallWatch] = None,
         sparse: frozenset[int] = frozenset(),
+        groups: Optional[Sequence[int]] = None,
         learned: Optional[Learned] = None,
     ) -> None:
         learned = learned or Learned({}, 0)
@@ -126,9 +128,9 @@ class Reducer:
         ]
         refuse_foreign_hooks(self.slots)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
-        self.buckets = self._build_buckets(
-            [slot for slot in self.slots if id(slot.param) not in sparse], bucket_cap_bytes, first_bucket_cap_bytes
-        )
+        dense = [slot for slot in self.slots if id(slot.param) not in sparse]
+        dense_groups = None if groups is None else [groups[slot.index] for slot in dense]
+        self.buckets = self._build_buckets(dense, bucket_cap_bytes, first_bucket_cap_bytes, dense_groups)
         # torch's optimizer-in-backward: its own hooks would step on the local
         # gradient, so they go, and the reducer steps after the average
         self._in_backward = [slot for slot in self.slots if slot.optimizers]
@@ -169,7 +171,9 @@ class Reducer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _build_buckets(self, dense: Sequence[ParamSlot], cap_bytes: int, first_cap_bytes: int) -> list[Bucket]:
+    def _build_buckets(
+        self, dense: Sequence[ParamSlot], cap_bytes: int, first_cap_bytes: int, groups: Optional[Sequence[int]]
+    ) -> list[Bucket]:
         extra = num_flags(len(self.slots))
         if not dense:  # only sparse parameters: the flags still need a bucket to travel in
             return [Bucket(0, [], torch.float32, self.slots[0].param.device, extra=extra)]
@@ -180,6 +184,7 @@ class Reducer:
             [p.device for p in params],
             cap_bytes=cap_bytes,
             first_cap_bytes=first_cap_bytes,
+            groups=groups,
         )
         last = len(specs) - 1
         return [

@@ -124,6 +124,14 @@ def find_state(module: object) -> Optional[ReplicateState]:
         return None
 
 
+def enclosing_state(module: object) -> Optional[ReplicateState]:
+    """The state of a replicated module that contains ``module`` (walks each replicated tree)."""
+    for other, state in list(_STATES.items()):
+        if other is not module and any(m is module for m in state.module.modules()):
+            return state
+    return None
+
+
 def unregister_state(module: object) -> None:
     """Forgets ``module``'s state (a ``replicate()`` call that failed part-way)."""
     _STATES.pop(module, None)

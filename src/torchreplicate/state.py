@@ -27,11 +27,16 @@ from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
 from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.registry import registration_count
+from torchreplicate.registry import find_state, registration_count
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.watchdog import StallWatch
 
 MiB = 1024 * 1024
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name as the user wrote it (not replicate()'s subclass)."""
+    return getattr(type(module), "original_class", type(module)).__name__
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
@@ -78,6 +83,9 @@ class ReplicateState:
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline (trace.py)
         self._num_forwards = 0  # forwards of the root with gradients enabled
+        # nested replicate(): the state of an enclosing replicated module, which
+        # reduces this module's parameters in its own collective sequence
+        self._adopted_by: Optional[weakref.ref[ReplicateState]] = None
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward),
@@ -205,6 +213,49 @@ class ReplicateState:
                 copied[name] = kept
         return copied
 
+    @property
+    def adopted(self) -> bool:
+        """Whether an enclosing replicated module reduces this one's parameters (nested replicate)."""
+        return self._adopted_by is not None and self._adopted_by() is not None
+
+    def adopt_into(self, outer: ReplicateState) -> None:
+        """Hands this module's reduction to ``outer``, an enclosing replicated module.
+
+        [Note: nested replicate] Applied per block and then to the root (as
+        torchtitan applies data parallelism), every parameter is reduced once,
+        by the outermost module's reducer, in one collective sequence (rank-
+        dependent graphs stay exact): the inner modules give up their reducers
+        and forward work, and their parameters travel in buckets of their
+        own. The nested modules must agree on how gradients are reduced.
+
+        Raises:
+            ValueError: an option that decides the reduction differs.
+        """
+        if self._adopted_by is not None and self._adopted_by() is outer:
+            return
+        for option in ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor"):
+            mine, theirs = getattr(self.config, option), getattr(outer.config, option)
+            if mine != theirs:
+                raise ValueError(
+                    f"replicate(): nested replicate() calls disagree on {option} ({class_name(self.module)}: "
+                    f"{mine}, the enclosing {class_name(outer.module)}: {theirs}); the outermost reduces "
+                    "every parameter in one collective sequence, so pass the same options to both"
+                )
+        if self._group is not None and outer._group is not None and self.group is not outer.group:
+            raise ValueError(
+                f"replicate(): nested replicate() calls use different process groups ({class_name(self.module)} "
+                f"and the enclosing {class_name(outer.module)}); pass the same group or mesh to both"
+            )
+        self._adopted_by = weakref.ref(outer)
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+            self.reducer = None
+        if self.mixed is not None:
+            self.mixed.remove()
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
     def note_conversion(self) -> None:
         """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
         self._num_conversions += 1
@@ -245,14 +296,19 @@ class ReplicateState:
         for sharded in torch_internals.fully_sharded_modules():
             if sharded is not module and any(m is module for m in sharded.modules()):
                 raise RuntimeError(
-                    f"replicate(): this {type(module).__name__} is inside a {type(sharded).__name__} "
+                    f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "
                     "managed by fully_shard, which already reduces its gradients; replicate() would "
                     "average them a second time. Apply fully_shard to children and replicate() to "
                     "the root, or only one of them"
                 )
         skipped = list(self.config.ignored_modules)
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped)
+        inner = [m for m in module.modules() if m is not module and find_state(m) is not None]
+        for submodule in inner:
+            state = find_state(submodule)
+            assert state is not None
+            state.adopt_into(self)
+        return make_plan(module, skipped, inner)
 
     def _replan_if_changed(self) -> None:
         plan = self._make_plan()
@@ -320,6 +376,7 @@ class ReplicateState:
             clock=self.clock,
             watch=self.watch,
             sparse=self.plan.sparse,
+            groups=self.plan.param_groups,
             learned=learned,
         )
         reducer.events = self.events
@@ -338,13 +395,13 @@ class ReplicateState:
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         self._sync_before_forward()
-        if self.mixed is None:
+        if self.mixed is None or self.adopted:
             return None
         cast = self.mixed.cast_inputs_of((args, kwargs))
         return None if cast is None else (cast[0], cast[1])
 
     def _sync_before_forward(self) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self.adopted:
             return  # no collective: one rank may evaluate alone ([Note: re-planning])
         self._num_forwards += 1
         if self.watch is not None:
@@ -378,6 +435,8 @@ class ReplicateState:
     @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.adopted:
+            return output  # nested replicate: the enclosing module does this work
         if self.mixed is not None:
             output = self.mixed.cast_output(output)
         reducer = self.reducer

@@ -1,0 +1,100 @@
+"""Nested replicate: per block, then the root (as torchtitan applies it); each parameter reduced once."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from parity import assert_grads_match, seeded
+from torchreplicate import replicate
+
+DIM = 8
+
+
+def data(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(3)
+        )
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, x: torch.Tensor, skip: int = -1) -> torch.Tensor:
+        h = self.embed(x)
+        for index, block in enumerate(self.blocks):
+            if index != skip:  # a block skipped on one rank: the graph differs by rank
+                h = h + block(h)
+        return self.head(h)
+
+
+class Nested(NamedTuple):
+    bucket_groups: list[list[str]]  # per bucket, the prefixes of its parameters
+    inner_reducers: int  # reducers the blocks kept (must be 0)
+    adopted: list[bool]
+
+
+def nested(rank: int, world_size: int, skip_on_rank_1: bool) -> Nested:
+    model = seeded(Stack, 40 + rank)
+    reference = seeded(Stack, 40)
+    for block in model.blocks:
+        replicate(block)
+    replicate(model, bucket_cap_mb=10)  # large caps: the blocks still get buckets of their own
+    for step in range(4):
+        skip = 1 if skip_on_rank_1 and step % 2 == 0 else -1
+        model(data(rank, step), skip if rank == 1 else -1).pow(2).mean().backward()
+        total = sum(reference(data(r, step), skip if r == 1 else -1).pow(2).mean() for r in range(world_size))
+        (total / world_size).backward()
+        assert_grads_match(model, reference, f"rank {rank} step {step}")
+        with torch.no_grad():
+            for module in (model, reference):
+                for p in module.parameters():
+                    p -= 0.1 * p.grad
+                module.zero_grad()
+    states = [replicate.state(block) for block in model.blocks]
+    buckets = replicate.state(model).reducer.buckets
+    groups = [sorted({".".join(slot.name.split(".")[:2]) for slot in bucket.slots}) for bucket in buckets]
+    return Nested(groups, sum(s.reducer is not None for s in states), [s.adopted for s in states])
+
+
+@pytest.mark.parametrize("skip_on_rank_1", [False, True], ids=["static", "block-skipped-on-one-rank"])
+def test_per_block_then_root(pools, skip_on_rank_1):
+    for r in pools.run(2, nested, skip_on_rank_1):
+        assert r.inner_reducers == 0 and r.adopted == [True, True, True], r
+        for prefixes in r.bucket_groups:
+            blocks = [p for p in prefixes if p.startswith("blocks.")]
+            assert len(blocks) <= 1 and (not blocks or len(prefixes) == 1), f"a bucket mixes blocks: {prefixes}"
+
+
+def refusals(rank: int, world_size: int) -> list[str]:
+    messages = []
+    model = Stack()
+    replicate(model.blocks[0], gradient_as_bucket_view=False)
+    try:
+        replicate(model)
+    except ValueError as error:
+        messages.append(str(error))
+    outer = replicate(Stack())
+    try:
+        replicate(outer.blocks[0])
+    except RuntimeError as error:
+        messages.append(str(error))
+    try:
+        replicate([Stack(), Stack()])  # type: ignore[arg-type]
+    except TypeError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_nested_refusals_name_the_fix(pools):
+    options, order, listed = pools.run(2, refusals)[0]
+    assert "nested replicate() calls disagree on gradient_as_bucket_view (Sequential: False" in options
+    assert "apply replicate() to the blocks first, then to the enclosing module" in order
+    assert "replicate each block and then their common parent" in listed
