@@ -11,9 +11,11 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from torchreplicate import torch_internals
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.state import ReplicateState, class_name, is_fully_sharded, warn_no_effect
@@ -71,6 +73,53 @@ class ReplicateModule:
         """
         get_state(self).register_comm_hook(state, hook)
 
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Join:
+        """A ``torch.distributed.algorithms.join.Join`` context for uneven inputs (DDP's ``join``).
+
+        Ranks with fewer batches leave their loop and shadow the others'
+        collectives until every rank is done; then every rank takes the
+        parameters of the last rank to finish. See [Note: join] in join.py.
+
+        Example::
+
+            with model.join():
+                for x, y in my_shard_of_the_data():   # a different length on each rank
+                    loss_fn(model(x), y).backward()
+                    optimizer.step(); optimizer.zero_grad()
+
+        Args:
+            divide_by_initial_world_size: divide by the initial world size
+                (joined ranks count as zeros, DDP's default) or by the ranks
+                still training. Default True.
+            enable: False makes the context do nothing. Default True.
+            throw_on_early_termination: raise on every rank as soon as one
+                runs out, instead (needed when the forward runs collectives of
+                its own, such as SyncBatchNorm). Default False.
+        """
+        joinable: Any = self
+        return Join(
+            [joinable],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's ``Joinable`` protocol: the hook a joined rank runs (see ``join``)."""
+        return get_state(self).join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's ``Joinable`` protocol: where the join collectives run."""
+        return get_state(self).collective_device()
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """torch's ``Joinable`` protocol: the group averaged over."""
+        return get_state(self).group
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # .to(), .double(), .half(), .cuda(), ... on the replicated root: the
         # next forward re-plans ([Note: re-planning] in plan.py).
@@ -97,6 +146,9 @@ class ReplicateModule:
             attributes = state.without_own_hooks(attributes)
         # Not copyreg.__newobj__: pickle insists that its class be type(self).
         return (plain.__new__, (plain,), attributes, *reduced[3:])
+
+
+Joinable.register(ReplicateModule)  # torch's Join protocol, by duck typing (no ABC metaclass on modules)
 
 
 @functools.lru_cache(maxsize=None)
@@ -249,6 +301,7 @@ def replicate(
         unregister_state(module)
         raise
     module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
+    torch_internals.disable_join(module)  # torch's join config, disabled until a Join
     return module
 
 

@@ -405,6 +405,15 @@ class Reducer:
         except (TypeError, ValueError) as error:
             _raise_with_place(error, self._where(bucket))
 
+    @torch.no_grad()
+    def shadow_step(self) -> None:
+        """A joined rank's part of one synchronised backward ([Note: join] in join.py): zeros."""
+        sums = self.reduction.shadow(self.buckets, num_flags(len(self.slots)))
+        if sums[len(self.slots)].item() > 0:  # a late round somewhere
+            for bucket in self.buckets:
+                all_reduce(torch.zeros_like(bucket.grads), self.group, self.timeout)
+        self.sparse.shadow(self.group, self.timeout)
+
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
         wire: int = sum(w.numel() * w.element_size() for w in getattr(self.reduction, "wires", ()))

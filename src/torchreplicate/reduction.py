@@ -64,6 +64,13 @@ class Reduction:
     def reduce_flags(self) -> None:
         """Once every bucket is back: sums the flags, if they did not travel with the last bucket."""
 
+    def set_divide_factor(self, divide_factor: float) -> None:
+        """Changes the divisor (uneven inputs: the ranks still training; join.py)."""
+
+    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+        """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
+        raise NotImplementedError
+
 
 class AllReduce(Reduction):
     """The default path: scale on the way in, then one ``all_reduce`` (a sum) per bucket.
@@ -120,6 +127,22 @@ class AllReduce(Reduction):
             self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype, device=buffer.device))
         last = buckets[-1]
         return self.wires[-1][last.numel : last.numel + num_flags]
+
+    def set_divide_factor(self, divide_factor: float) -> None:
+        if divide_factor != self.divide_factor:
+            self.divide_factor = divide_factor
+            for scale in self.scales:
+                scale.fill_(1.0 / divide_factor)
+
+    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+        assert self._group is not None, "bind() comes first"
+        zeros = [torch.zeros_like(wire) for wire in self.wires]
+        works = [all_reduce(z, self._group.get(), self._timeout, async_op=True) for z in zeros]
+        for work in works:
+            assert work is not None
+            work.wait()
+        last = buckets[-1]
+        return zeros[-1][last.numel : last.numel + num_flags]
 
     def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         torch.mul(grad, self.scales[slot.bucket.index], out=slot.view)
@@ -206,6 +229,28 @@ class HookReduction(Reduction):
         self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
         self._flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
         return self._flags
+
+    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+        # The hook on zero buckets, one at a time, then the flags' own all-reduce.
+        assert self._group is not None, "bind() comes first"
+        future = None
+        for bucket in buckets:
+            if future is not None:
+                future.wait()
+            zeros = torch.zeros_like(bucket.grads)
+            views, offset = [], 0
+            for slot in bucket.slots:
+                views.append(zeros[offset : offset + slot.view.numel()].view_as(slot.view))
+                offset += slot.view.numel()
+            grad_bucket = GradBucket(
+                bucket.index, bucket.index == len(buckets) - 1, zeros, [s.param for s in bucket.slots], views
+            )
+            future = self.hook(self.state, grad_bucket)
+        if future is not None:
+            future.wait()
+        flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
+        all_reduce(flags, self._group.get(), self._timeout)
+        return flags
 
     def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         slot.view.copy_(grad)

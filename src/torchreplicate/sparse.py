@@ -46,13 +46,7 @@ class SparseGrads:
             param = slot.param
             grad = param.grad
             if grad is None:
-                # the layout of an embedding's gradient: rows sparse, columns dense
-                grad = torch.sparse_coo_tensor(
-                    torch.empty((1, 0), dtype=torch.long, device=param.device),
-                    torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
-                    param.shape,
-                    check_invariants=False,
-                )
+                grad = _empty_like(param)
             elif not grad.is_sparse:
                 raise RuntimeError(
                     f"replicate(): parameter {slot.name!r} was planned for sparse gradients "
@@ -62,3 +56,18 @@ class SparseGrads:
             summed = grad.coalesce().clone()
             all_reduce(summed, group, timeout)
             param.grad = None if slot.index in unused_everywhere else (summed / divide_factor).coalesce()
+
+    def shadow(self, group: dist.ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+        """A joined rank's part (join.py): an empty gradient for every sparse parameter."""
+        for slot in self.slots:
+            all_reduce(_empty_like(slot.param), group, timeout)
+
+
+def _empty_like(param: torch.Tensor) -> torch.Tensor:
+    # No rows: the layout of an embedding's gradient (rows sparse, columns dense).
+    return torch.sparse_coo_tensor(
+        torch.empty((1, 0), dtype=torch.long, device=param.device),
+        torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+        param.shape,
+        check_invariants=False,
+    )

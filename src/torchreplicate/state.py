@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 from torchreplicate import torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
@@ -22,6 +23,7 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
+from torchreplicate.join import JoinRound, ReplicateJoinHook, join_round
 from torchreplicate.mixed_precision import MixedPrecision
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.profiling import labelled
@@ -86,6 +88,9 @@ class ReplicateState:
         # nested replicate(): the state of an enclosing replicated module, which
         # reduces this module's parameters in its own collective sequence
         self._adopted_by: Optional[weakref.ref[ReplicateState]] = None
+        # inside torch's Join with divide_by_initial_world_size=False: the sum is
+        # divided by the ranks still training ([Note: join] in join.py)
+        self._join_divides_by_training = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward),
@@ -206,6 +211,7 @@ class ReplicateState:
                 if hooks is not None:
                     drop.setdefault(id(hooks), set()).add(handle.id)
         copied = dict(attributes)
+        copied.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
         for name, value in attributes.items():
             if isinstance(value, dict) and id(value) in drop:
                 kept = type(value)()
@@ -256,6 +262,40 @@ class ReplicateState:
             self.watch.stop()
             self.watch = None
 
+    # -- uneven inputs ([Note: join] in join.py) ------------------------------
+
+    def join_hook(self, **kwargs: Any) -> ReplicateJoinHook:
+        """The hook torch's ``Join`` runs on a rank that ran out of inputs; starts the join rounds."""
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise TypeError(
+                f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size"
+            )
+        divide_by_initial = kwargs.get("divide_by_initial_world_size", True)
+        self._join_divides_by_training = not divide_by_initial
+        return ReplicateJoinHook(self, divide_by_initial)
+
+    @property
+    def joining(self) -> bool:
+        """Whether the module is inside an enabled ``Join`` context (torch sets its join config)."""
+        config = getattr(self.module, "_join_config", None)
+        return config is not None and bool(config.enable)
+
+    def _join_round(self) -> JoinRound:
+        joinable: Any = self.module
+        Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
+        verdict = join_round(self, training=True)
+        if self.reducer is not None and self._join_divides_by_training:
+            self.reducer.reduction.set_divide_factor(float(verdict.num_training))
+        return verdict
+
+    def end_join(self) -> None:
+        """Every rank joined: back to no join rounds and the usual divisor."""
+        self._join_divides_by_training = False
+        torch_internals.disable_join(self.module)
+        if self.reducer is not None:
+            self.reducer.reduction.set_divide_factor(float(self.config.gradient_divide_factor or self.world_size))
+
     def note_conversion(self) -> None:
         """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
         self._num_conversions += 1
@@ -278,7 +318,7 @@ class ReplicateState:
         plan = self._make_plan()
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self._collective_device())
+        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
         self._adopt(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
 
     def _stamp(self) -> tuple[int, ...]:
@@ -333,7 +373,7 @@ class ReplicateState:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
-            plan.candidate_names, plan.candidates, self.group, self._collective_device(), self._wire_options()
+            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self._wire_options()
         )
         if self.world_size > 1 and to_broadcast:
             broadcast_coalesced(to_broadcast, self.group)
@@ -382,7 +422,8 @@ class ReplicateState:
         reducer.events = self.events
         return reducer
 
-    def _collective_device(self) -> torch.device:
+    def collective_device(self) -> torch.device:
+        """Where this module's own small collectives run (the accelerator for NCCL)."""
         if dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         for tensor in list(self.plan.candidates) + self.plan.buffer_values():
@@ -403,6 +444,9 @@ class ReplicateState:
     def _sync_before_forward(self) -> None:
         if not torch.is_grad_enabled() or self.adopted:
             return  # no collective: one rank may evaluate alone ([Note: re-planning])
+        buffer_source = 0
+        if self.joining:  # inside a Join context ([Note: join] in join.py)
+            buffer_source = self._join_round().source
         self._num_forwards += 1
         if self.watch is not None:
             step = 0 if self.reducer is None else self.reducer.num_steps
@@ -410,10 +454,12 @@ class ReplicateState:
         plan = self.plan
         if self._stamp() != self._planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             self._replan_if_changed()
-        if self.config.broadcast_buffers and self.plan.buffers and self.world_size > 1:
-            self._broadcast_buffers()
+        self.broadcast_buffers_from(buffer_source)
 
-    def _broadcast_buffers(self) -> None:
+    def broadcast_buffers_from(self, source: int) -> None:
+        """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
+        if not (self.config.broadcast_buffers and self.plan.buffers and self.world_size > 1):
+            return
         # Out of place: a graph from an earlier forward may have saved the old
         # tensors (two forwards through BatchNorm before one backward). Set
         # through _buffers, not setattr: setattr would run every global buffer
@@ -421,7 +467,11 @@ class ReplicateState:
         watch = self.watch
         try:
             fresh = broadcast_coalesced(
-                self.plan.buffer_values(), self.group, in_place=False, timeout=None if watch is None else watch.timeout
+                self.plan.buffer_values(),
+                self.group,
+                src_rank=source,
+                in_place=False,
+                timeout=None if watch is None else watch.timeout,
             )
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):

@@ -89,3 +89,16 @@ def fully_sharded_modules() -> list[nn.Module]:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return []
     return [module for module in list(_composable_state._module_state_mapping) if isinstance(module, FSDPModule)]
+
+
+def disable_join(joinable: object) -> None:
+    """Gives ``joinable`` torch's disabled join config (what ``Joinable.__init__`` sets).
+
+    A replicated module is a ``Joinable`` by registration only: its class is
+    swapped in place, so no ``Joinable.__init__`` ever ran, and calling it
+    now would fail (it calls ``super().__init__()``). ``_JoinConfig`` is
+    private (torch >= 1.10); ``Join`` replaces it when entered.
+    """
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]

@@ -1,0 +1,103 @@
+"""Uneven inputs: torch's ``Join`` context manager, for ranks with fewer batches.
+
+[Note: join]
+Inside ``with model.join():`` (or ``Join([model, zero_optimizer])``), a rank
+that runs out of batches leaves its loop and enters Join's exit, where it
+shadows the others' collectives until every rank has joined. Every
+iteration of a rank still training then runs, in this order:
+
+1. ``Join.notify_join_context`` (torch's: one all-reduce of a 1);
+2. one all-reduce of this module's join round: a one-hot of the rank and
+   whether this backward will sync (``JoinRound``); it tells every rank how
+   many ranks still train, the highest of them (the buffers' source: rank 0
+   may have joined with stale buffers) and whether to shadow a backward;
+3. the buffer broadcast, from that source;
+4. the backward's buckets (the flags in the last), and a late round when
+   the flags ask for one.
+
+A joined rank's ``main_hook`` runs the same collectives with zeros: no
+gradients, no flags, no late gradients (the training clock's residues are
+zero too, so desync detection ignores it). The divisor is the initial world
+size (joined ranks count as zeros) or, with
+``divide_by_initial_world_size=False``, the number of ranks still training.
+At the end, ``post_hook`` broadcasts parameters and buffers from the last
+rank to join, so every replica ends the same, and turns the round off.
+
+Limits: gradient sync is read at forward under join (not at backward); a
+collective in the user's forward (SyncBatchNorm, tensor parallel) cannot be
+shadowed: use ``throw_on_early_termination=True`` there, as with DDP.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from torchreplicate.collectives import all_reduce, broadcast_coalesced
+from torchreplicate.dtensors import local
+
+if TYPE_CHECKING:
+    from torchreplicate.state import ReplicateState
+
+
+class JoinRound(NamedTuple):
+    """What one join round (its all-reduce) says, the same on every rank.
+
+    Attributes:
+        num_training: ranks that have not joined.
+        source: the highest of them (group rank): where buffers come from.
+        sync: whether this iteration's backward averages gradients.
+    """
+
+    num_training: int
+    source: int
+    sync: bool
+
+
+def join_round(state: ReplicateState, training: bool) -> JoinRound:
+    """Runs one join round: a still-training rank sends its one-hot and sync flag; a joined rank zeros."""
+    group = state.group
+    world_size = dist.get_world_size(group)
+    vector = torch.zeros(world_size + 1, device=state.collective_device())
+    if training:
+        vector[dist.get_rank(group)] = 1
+        vector[world_size] = float(state.sync.on)
+    all_reduce(vector, group, None if state.watch is None else state.watch.timeout)
+    present = [r for r, v in enumerate(vector[:world_size].tolist()) if v > 0]
+    return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
+
+
+class ReplicateJoinHook(JoinHook):
+    """What a joined rank runs for a replicated module; see [Note: join].
+
+    Args:
+        state: the module's state.
+        divide_by_initial_world_size: divide the sum by the initial world
+            size (True, DDP's default) or by the ranks still training.
+    """
+
+    def __init__(self, state: ReplicateState, divide_by_initial_world_size: bool) -> None:
+        self.state = state
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """Shadows one iteration of the ranks still training."""
+        state = self.state
+        verdict = join_round(state, training=False)
+        state.broadcast_buffers_from(verdict.source)
+        if verdict.sync and state.reducer is not None:
+            state.reducer.shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters and buffers of the last rank to join."""
+        state = self.state
+        group = state.group
+        mark = torch.tensor([float(dist.get_rank(group) if is_last_joiner else -1)], device=state.collective_device())
+        dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
+        tensors: list[Any] = [local(p).detach() for p in state.plan.candidates] + state.plan.buffer_values()
+        if tensors:
+            broadcast_coalesced(tensors, group, src_rank=int(mark.item()))
+        state.end_join()
