@@ -14,37 +14,9 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
+from models import DIM, Branches, data
 from parity import assert_grads_match, digest, seeded
 from torchreplicate import replicate
-
-DIM = 8
-
-
-def data(rank: int, step: int, rows: int = 4) -> torch.Tensor:
-    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
-
-
-class Branches(nn.Module):
-    """A trunk, two branches, an occasional head and four experts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Linear(DIM, DIM)
-        self.branch_a = nn.Linear(DIM, DIM)
-        self.branch_b = nn.Linear(DIM, DIM)
-        self.aux_head = nn.Linear(DIM, 1)
-        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
-        self.never = nn.Linear(DIM, DIM)  # no rank ever uses it
-
-    def forward(self, x: torch.Tensor, branch: str = "a", expert: Optional[int] = None) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
-        h = self.branch_a(h) if branch == "a" else self.branch_b(h)
-        if expert is not None:
-            h = self.experts[expert](h)
-        return h
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.branch_b(torch.tanh(self.trunk(x))))
 
 
 def rank_branch(model, rank, world_size, step):

@@ -1,9 +1,19 @@
-"""Small models and batches for the parity tests, built the same on every rank."""
+"""Models and data the test files share, built the same on every rank.
+
+``MODELS``: the parity models, each with its batch maker and loss.
+``Branches`` and ``data``: the model whose used parameters change by rank or
+by step, for the dynamic-graph, accumulation and random-graph tests.
+"""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
 import torch
 from torch import nn
+
+# Bucket caps that split the MLP (width 32) into three or more buckets.
+TINY_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}
 
 
 class MLP(nn.Module):
@@ -68,23 +78,65 @@ class WideMLP(nn.Module):
         return self.layers(x)
 
 
-def _floats(*shape: int):
+class ModelCase(NamedTuple):
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator, int], torch.Tensor]  # (generator, batch size) -> batch
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, batch) -> loss
+
+
+def _floats(*shape: int) -> Callable[[torch.Generator, int], torch.Tensor]:
     return lambda g, n: torch.randn(n, *shape, generator=g)
 
 
-def _tokens(vocab: int, length: int):
+def _tokens(vocab: int, length: int) -> Callable[[torch.Generator, int], torch.Tensor]:
     return lambda g, n: torch.randint(0, vocab, (n, length), generator=g)
 
 
-# name -> (constructor, batch maker(generator, batch size), loss of the output)
+def _square_mean(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def _next_token_loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out[:, :-1].reshape(-1, 50), batch[:, 1:].reshape(-1))
+
+
 MODELS = {
-    "mlp": (MLP, _floats(32), lambda out, batch: out.pow(2).mean()),
-    "conv": (ConvNet, _floats(3, 8, 8), lambda out, batch: out.pow(2).mean()),
-    "tied": (
-        TiedLM,
-        _tokens(50, 6),
-        lambda out, batch: nn.functional.cross_entropy(out[:, :-1].reshape(-1, 50), batch[:, 1:].reshape(-1)),
-    ),
-    "encoder": (Encoder, _floats(5, 16), lambda out, batch: out.pow(2).mean()),
-    "wide": (WideMLP, _floats(256), lambda out, batch: out.pow(2).mean()),
+    "mlp": ModelCase(MLP, _floats(32), _square_mean),
+    "conv": ModelCase(ConvNet, _floats(3, 8, 8), _square_mean),
+    "tied": ModelCase(TiedLM, _tokens(50, 6), _next_token_loss),
+    "encoder": ModelCase(Encoder, _floats(5, 16), _square_mean),
+    "wide": ModelCase(WideMLP, _floats(256), _square_mean),
 }
+
+
+# -- a graph that changes by rank and by step ------------------------------------
+
+DIM = 8
+
+
+def data(rank: int, step: int, rows: int = 4) -> torch.Tensor:
+    """This rank's input at this step (a different seed for every pair)."""
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+class Branches(nn.Module):
+    """A trunk, two branches, an occasional head and four experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(DIM, DIM)
+        self.branch_a = nn.Linear(DIM, DIM)
+        self.branch_b = nn.Linear(DIM, DIM)
+        self.aux_head = nn.Linear(DIM, 1)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+        self.never = nn.Linear(DIM, DIM)  # no rank ever uses it
+
+    def forward(self, x: torch.Tensor, branch: str = "a", expert: Optional[int] = None) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        h = self.branch_a(h) if branch == "a" else self.branch_b(h)
+        if expert is not None:
+            h = self.experts[expert](h)
+        return h
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.branch_b(torch.tanh(self.trunk(x))))
