@@ -8,7 +8,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from dynamic_cases import data
+from models import data
 from parity import assert_grads_match, digest, seeded
 from torchreplicate import replicate
 
