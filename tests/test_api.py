@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import MLP
+from parity import assert_grads_match, assert_same_on_every_rank, gather, seeded
 from torchreplicate import ReplicateModule, replicate
 
 
@@ -27,11 +28,11 @@ def check_in_place(rank, world_size):
         replicate.state(other)
     # a plain copy of the weights loads back into the replicated module
     model.load_state_dict(copy.deepcopy(model.state_dict()))
-    return type(model).__name__
+    assert type(model).__name__ == "ReplicateMLP", f"rank {rank}: the replicated class is {type(model).__name__}"
 
 
 def test_in_place_contract(pools):
-    assert pools.run(2, check_in_place) == ["ReplicateMLP", "ReplicateMLP"]
+    pools.run(2, check_in_place)
 
 
 class TwoHeads(nn.Module):
@@ -59,26 +60,20 @@ def check_ignored_and_frozen(rank, world_size):
     names = replicate.state(model).param_names
     assert names == ("trunk.weight", "trunk.bias"), names
     # ignored parameters and buffers are not broadcast
-    for p, q in zip(model.head.parameters(), head_before):
-        assert torch.equal(p, q)
-    assert torch.equal(model.head.head_scale, torch.full((2,), float(rank)))
+    for (name, p), q in zip(model.head.named_parameters(), head_before):
+        assert torch.equal(p, q), f"rank {rank}: ignored head.{name} was broadcast"
+    assert torch.equal(model.head.head_scale, torch.full((2,), float(rank))), f"rank {rank}: head_scale was broadcast"
     x = torch.full((2, 4), float(rank + 1))
     model(x).backward()
     # the ignored head keeps its local gradient; the trunk's is averaged
-    local_head = model.head[1].weight.grad.clone()
-    gathered = [torch.empty_like(local_head) for _ in range(world_size)]
-    dist.all_gather(gathered, local_head)
-    trunk = model.trunk.weight.grad.clone()
-    gathered_trunk = [torch.empty_like(trunk) for _ in range(world_size)]
-    dist.all_gather(gathered_trunk, trunk)
-    assert all(torch.equal(t, trunk) for t in gathered_trunk)
-    assert not torch.equal(gathered[0], gathered[1]), "ignored module's gradient was averaged"
-    assert model.frozen.weight.grad is None
-    return True
+    assert_same_on_every_rank(model.trunk.weight.grad, "trunk.weight.grad")
+    local_heads = gather(model.head[1].weight.grad)
+    assert not torch.equal(local_heads[0], local_heads[1]), f"rank {rank}: ignored module's gradient was averaged"
+    assert model.frozen.weight.grad is None, f"rank {rank}: frozen.weight got a gradient"
 
 
 def test_ignored_modules_and_frozen_params(pools):
-    assert all(pools.run(2, check_ignored_and_frozen))
+    pools.run(2, check_ignored_and_frozen)
 
 
 def check_fully_shard_interplay(rank, world_size):
@@ -108,32 +103,28 @@ def check_fully_shard_interplay(rank, world_size):
     x = torch.randn(4, 32) * (rank + 1)
     late(x).pow(2).mean().backward()
     state = replicate.state(late)
-    assert state.param_names == ("head.weight", "head.bias")
-    head = late.head.weight.grad.clone()
-    gathered = [torch.empty_like(head) for _ in range(world_size)]
-    dist.all_gather(gathered, head)
-    assert all(torch.equal(g, head) for g in gathered), "head gradient not averaged"
-    return True
+    assert state.param_names == ("head.weight", "head.bias"), state.param_names
+    assert_same_on_every_rank(late.head.weight.grad, "head gradient not averaged")
 
 
 def test_fully_shard_refused_skipped_and_applied_after(pools):
-    assert all(pools.run(2, check_fully_shard_interplay))
+    pools.run(2, check_fully_shard_interplay)
 
 
 def check_world_size_one_has_no_reducer(rank, world_size):
     model = MLP()
     replicate(model)
     model(torch.randn(2, 32)).sum().backward()
-    return replicate.state(model).reducer is None and all(p.grad is not None for p in model.parameters())
+    assert replicate.state(model).reducer is None, "world size 1 built a reducer"
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no .grad for {missing}"
 
 
 def test_world_size_one_adds_no_work(pools):
-    assert pools.run(1, check_world_size_one_has_no_reducer) == [True]
+    pools.run(1, check_world_size_one_has_no_reducer)
 
 
 def check_load_state_dict_assign(rank, world_size):
-    from parity import assert_grads_match, seeded
-
     model = seeded(MLP, rank)
     reference = seeded(MLP, 5)
     replicate(model)
@@ -144,19 +135,19 @@ def check_load_state_dict_assign(rank, world_size):
     model(x[4 * rank : 4 * rank + 4]).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
     assert_grads_match(model, reference, f"rank {rank} after load_state_dict(assign=True)")
-    return replicate.state(model).params[0] is model.body[0].weight
+    assert replicate.state(model).params[0] is model.body[0].weight, (
+        f"rank {rank}: the state still holds the body.0.weight that load_state_dict(assign=True) replaced"
+    )
 
 
 def test_load_state_dict_with_assign_re_plans(pools):
-    assert all(pools.run(2, check_load_state_dict_assign))
+    pools.run(2, check_load_state_dict_assign)
 
 
 def check_subgroup(rank, world_size):
-    from parity import assert_grads_match, seeded
-
     group = dist.new_group([1, 2])  # every rank takes part in creating it
     if rank == 0:
-        return "outside"
+        return
     model = seeded(MLP, rank)
     reference = seeded(MLP, 1)  # group rank 0 is global rank 1: its weights win
     replicate(model, process_group=group)
@@ -165,11 +156,10 @@ def check_subgroup(rank, world_size):
     model(local).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
     assert_grads_match(model, reference, f"rank {rank} in a subgroup")
-    return "inside"
 
 
 def test_process_group_subgroup(pools):
-    assert pools.run(3, check_subgroup) == ["outside", "inside", "inside"]
+    pools.run(3, check_subgroup)
 
 
 def check_device_id(rank, world_size):
@@ -177,13 +167,14 @@ def check_device_id(rank, world_size):
     replicate(model, device_id=rank)  # an int means the accelerator index; here the CPU
     other = MLP()
     replicate(other, device_id=torch.device("cpu"))
-    return {p.device.type for p in list(model.parameters()) + list(other.parameters())}
+    devices = {p.device.type for p in list(model.parameters()) + list(other.parameters())}
+    assert devices == {"cpu"}, f"rank {rank}: parameters on {devices}"
 
 
 def test_device_id_int_on_a_cpu_machine(pools):
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU fallback of an int device_id; this machine has a GPU")
-    assert pools.run(2, check_device_id) == [{"cpu"}, {"cpu"}]
+    pools.run(2, check_device_id)
 
 
 def check_dropped_model_is_freed(rank, world_size):
@@ -192,7 +183,6 @@ def check_dropped_model_is_freed(rank, world_size):
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    alive = []
     for with_hook in (False, True):
         model = nn.Sequential(MLP())
         model.register_buffer("scale", torch.ones(1))  # a buffer owned by the root itself
@@ -200,11 +190,12 @@ def check_dropped_model_is_freed(rank, world_size):
         if with_hook:  # a hook builds a reducer even at world size 1
             model.register_comm_hook(None, default_hooks.allreduce_hook)
         model(torch.randn(2, 32)).sum().backward()
-        refs = weakref.ref(model), weakref.ref(replicate.state(model))
+        model_ref, state_ref = weakref.ref(model), weakref.ref(replicate.state(model))
         del model
         gc.collect()
-        alive.append([ref() is not None for ref in refs])
-    return alive
+        where = f"rank {rank} of {world_size}, {'with' if with_hook else 'without'} a comm hook"
+        assert model_ref() is None, f"{where}: the dropped model is still alive"
+        assert state_ref() is None, f"{where}: the dropped model's state is still alive"
 
 
 def test_dropped_model_frees_its_state(pools):
@@ -212,7 +203,7 @@ def test_dropped_model_frees_its_state(pools):
     # of a buffer) kept every replicated model, its buckets and its process
     # group alive until interpreter exit: the registry maps module -> state weakly.
     for world_size in (1, 2):
-        assert pools.run(world_size, check_dropped_model_is_freed) == [[[False, False]] * 2] * world_size
+        pools.run(world_size, check_dropped_model_is_freed)
 
 
 def check_live_model_lets_its_group_go(rank, world_size):
@@ -227,14 +218,13 @@ def check_live_model_lets_its_group_go(rank, world_size):
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    freed = group_ref() is None
+    assert group_ref() is None, f"rank {rank}: the live model kept its destroyed process group alive"
     model.zero_grad()
     with pytest.raises(RuntimeError, match="process group was destroyed"):
         model(torch.randn(2, 32)).sum().backward()
-    return freed
 
 
 def test_destroyed_group_is_freed_and_named(pools):
     # A group kept alive by a model ran gloo's threads into interpreter
     # finalization, which aborted ~1 exit in 20 (torch 2.13): held weakly.
-    assert pools.run(2, check_live_model_lets_its_group_go) == [True, True]
+    pools.run(2, check_live_model_lets_its_group_go)
