@@ -66,43 +66,39 @@ def test_ddp_only_flags_warn():
             replicate(MLP(), static_graph=True)
 
 
-def _rank_model(rank, variant):
-    # each variant builds a model that differs on one rank
-    if variant == "shapes":
-        return MLP(width=32 if rank == 0 else 16)
-    if variant == "count":
-        return MLP(depth=3 if rank == 1 else 2)
-    model = MLP()
-    if variant == "dtype" and rank == 1:
-        model.head.double()
-    return model
-
-
-def mismatch_error(rank, world_size, variant):
-    """The message replicate() raises on this rank (None if it did not raise)."""
-    try:
-        replicate(_rank_model(rank, variant))
-    except RuntimeError as error:
-        return str(error)
-    return None
+def shapes_differ(rank, world_size):
+    with pytest.raises(RuntimeError) as info:
+        replicate(MLP(width=32 if rank == 0 else 16))
+    message = str(info.value)
+    expected = (f"rank {rank}:", "'body.0.weight'", "rank 0: shape [32, 32] float32", "rank 1: shape [16, 16] float32")
+    for words in expected:
+        assert words in message, f"rank {rank}: {words!r} missing from {message!r}"
 
 
 def test_shape_mismatch_raises_on_every_rank(pools):
-    messages = pools.run(2, mismatch_error, "shapes")
-    for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank} did not raise"
-        assert f"rank {rank}:" in message
-        assert "'body.0.weight'" in message
-        assert "rank 0: shape [32, 32] float32" in message and "rank 1: shape [16, 16] float32" in message
+    pools.run(2, shapes_differ)
+
+
+def counts_differ(rank, world_size):
+    # depth 2 vs 3: same names up to body.2, then rank 1 has body.4 where others have head
+    with pytest.raises(RuntimeError) as info:
+        replicate(MLP(depth=3 if rank == 1 else 2))
+    assert "rank 1" in str(info.value), f"rank {rank}: 'rank 1' missing from {str(info.value)!r}"
 
 
 def test_count_mismatch_raises_on_every_rank(pools):
-    messages = pools.run(3, mismatch_error, "count")
-    assert all(m is not None for m in messages)
-    # depth 2 vs 3: same names up to body.2, then rank 1 has body.4 where others have head
-    assert all("rank 1" in m for m in messages)
+    pools.run(3, counts_differ)
+
+
+def dtypes_differ(rank, world_size):
+    model = MLP()
+    if rank == 1:
+        model.head.double()
+    with pytest.raises(RuntimeError) as info:
+        replicate(model)
+    for words in ("'head.weight'", "float64"):
+        assert words in str(info.value), f"rank {rank}: {words!r} missing from {str(info.value)!r}"
 
 
 def test_dtype_mismatch_raises_on_every_rank(pools):
-    messages = pools.run(2, mismatch_error, "dtype")
-    assert all(m is not None and "'head.weight'" in m and "float64" in m for m in messages)
+    pools.run(2, dtypes_differ)
