@@ -6,19 +6,48 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
+import torch
+import torch.distributed as dist
 
-import launch_targets
 from torchreplicate.launcher import WorkerError, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
+# -- launch() from Python: the targets run on the launched ranks, which import
+# them from this module by name (tests/ is on sys.path)
+
+
+class RankReport(NamedTuple):
+    rank: int
+    world_size: int  # from the WORLD_SIZE environment variable the launcher sets
+    total: float  # all-reduced sum of rank + 1
+
+
+def rank_and_sum() -> RankReport:
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return RankReport(dist.get_rank(), int(os.environ["WORLD_SIZE"]), value.item())
+
+
+def rank_one_fails() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever: the launcher must kill it
+
+
+def sleeps_forever() -> None:
+    time.sleep(600)
+
 
 def test_launch_returns_results_by_rank():
-    results = launch(launch_targets.rank_and_sum, 3, timeout_s=120)
-    assert results == [(0, 3, 6.0), (1, 3, 6.0), (2, 3, 6.0)]
+    results = launch(rank_and_sum, 3, timeout_s=120)
+    assert results == [RankReport(0, 3, 6.0), RankReport(1, 3, 6.0), RankReport(2, 3, 6.0)]
 
 
 def _children() -> set:
@@ -29,7 +58,7 @@ def test_worker_error_names_rank_and_kills_the_rest():
     before = _children()  # the session's test pools live on
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        launch(launch_targets.rank_one_fails, 2, timeout_s=120)
+        launch(rank_one_fails, 2, timeout_s=120)
     assert info.value.rank == 1
     assert "ValueError: boom on rank one" in str(info.value)
     assert time.monotonic() - started < 60, "the waiting rank was not killed promptly"
@@ -39,13 +68,16 @@ def test_worker_error_names_rank_and_kills_the_rest():
 def test_timeout_kills_every_rank():
     before = _children()
     with pytest.raises(TimeoutError, match="after 3 s"):
-        launch(launch_targets.sleeps_forever, 2, timeout_s=3)
+        launch(sleeps_forever, 2, timeout_s=3)
     assert _children() - before == set(), "a launched rank outlived launch()"
 
 
 def test_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
-        launch(launch_targets.rank_and_sum, 0)
+        launch(rank_and_sum, 0)
+
+
+# -- the command line
 
 
 def _run(command, timeout=180):
