@@ -1,50 +1,251 @@
-"""Comm hooks: DDP's stock hooks run unchanged.
+"""Comm hooks: DDP's stock hooks run unchanged, PowerSGD trains and resumes from a checkpoint.
 
-The rank-side code is in comm_hook_cases.py. Two ranks. The protocol a hook
-sees (bucket order, views, errors, custom hooks) is in
-test_comm_hook_protocol.py.
+Two ranks. The protocol a hook sees (bucket order, views, errors, custom
+hooks) is in test_comm_hook_protocol.py.
 
-What gloo on CPU does not support (torch 2.13.0, and DDP behaves the same):
-
-* quantization_pertensor_hook / quantization_perchannel_hook index the
-  all_gather future's value as NCCL returns it; gloo returns a flat list,
-  so the hook's own callback raises IndexError. We assert that failure.
-* batched_powerSGD_hook calls ``_orthogonalize`` on a 2-D Q, which fails
-  that function's 3-D assertion at the first compressed step. We assert
-  that failure too (and convergence, should a later torch fix it).
-* PowerSGD with more than one bucket: its callbacks launch collectives
-  from gloo's worker threads, so buckets in flight together interleave
-  differently on each rank. DDP hangs or aborts there; replicate() calls a
-  bucket's hook only once the previous bucket's future is done ([Note:
-  hooks run one bucket at a time] in reducer.py), and test_hook_checkpoint.py
-  trains PowerSGD over several buckets. The tests here use one bucket.
+Stock hooks that fail by themselves (under DDP too) are strict xfails keyed
+on the torch release, see ``KNOWN_BROKEN`` below. PowerSGD with more than one
+bucket: its callbacks launch collectives from gloo's worker threads, so
+buckets in flight together interleave differently on each rank. DDP hangs or
+aborts there; replicate() calls a bucket's hook only once the previous
+bucket's future is done ([Note: hooks run one bucket at a time] in
+reduction.py), and test_powersgd_state_round_trips_through_a_checkpoint
+trains PowerSGD over several buckets. The other tests here use one bucket.
 """
 
+from __future__ import annotations
+
+import io
+import traceback
+from typing import Any, Callable, NamedTuple, Optional
+
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    debugging_hooks,
+    default_hooks,
+    powerSGD_hook,
+    quantization_hooks,
+)
+from torch.nn.parallel import DistributedDataParallel
 
-import comm_hook_cases as cases
+from harness import WorkerError
+from models import MLP, MODELS, TINY_BUCKETS
+from parity import (
+    PER_RANK,
+    assert_replicas_identical,
+    assert_same_parameters,
+    local_shard,
+    same_on_every_rank,
+    seeded,
+)
+from torchreplicate import replicate
+
+# Torch releases where a stock hook is known to fail by itself, under DDP as
+# under replicate(). Checked on 2.13.0, the release the suite is tested on; add
+# a release here once it is seen failing the same way.
+TORCH_RELEASE = torch.__version__.split("+")[0]
+KNOWN_BROKEN = {
+    # quantization_pertensor_hook / quantization_perchannel_hook index the
+    # all_gather future's value as NCCL returns it; gloo returns a flat list,
+    # so the hook's own callback raises IndexError (quantization_hooks.py).
+    "quantization_on_gloo": TORCH_RELEASE in {"2.13.0"},
+    # batched_powerSGD_hook passes its 2-D Q to _orthogonalize, which raises
+    # AssertionError on anything but a 3-D batch of matrices, at the first
+    # compressed step (any backend).
+    "batched_powerSGD": TORCH_RELEASE in {"2.13.0"},
+}
+
+# Unit roundoff (half an ulp at 1.0) of the compressed formats: fp16 keeps 11
+# significant bits, bf16 keeps 8.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
-def _raise_errors(results):
-    errors = [
-        f"--- rank {rank} (step {r.get('step')}) ---\n{r['error']}" for rank, r in enumerate(results) if "error" in r
-    ]
-    if errors:
-        raise AssertionError("\n".join(errors))
+class Hook(NamedTuple):
+    state: Any
+    fn: Callable
+
+
+def powersgd_state() -> powerSGD_hook.PowerSGDState:
+    return powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, use_error_feedback=True, warm_start=True
+    )
+
+
+def make_hook(name: str) -> Hook:
+    """A stock hook and its state, built on the rank (process groups do not pickle)."""
+    if name == "allreduce_none":
+        return Hook(None, default_hooks.allreduce_hook)
+    if name == "allreduce_group":
+        return Hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    if name == "fp16":
+        return Hook(None, default_hooks.fp16_compress_hook)
+    if name == "bf16":
+        return Hook(None, default_hooks.bf16_compress_hook)
+    if name == "fp16_wrapper":
+        return Hook(None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook))
+    if name == "bf16_wrapper":
+        return Hook(None, default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook))
+    if name == "powerSGD":
+        return Hook(powersgd_state(), powerSGD_hook.powerSGD_hook)
+    if name == "batched_powerSGD":
+        return Hook(powersgd_state(), powerSGD_hook.batched_powerSGD_hook)
+    if name == "quant_pertensor":
+        return Hook(None, quantization_hooks.quantization_pertensor_hook)
+    if name == "quant_perchannel":
+        return Hook(None, quantization_hooks.quantization_perchannel_hook)
+    if name == "noop":
+        return Hook(None, debugging_hooks.noop_hook)
+    raise KeyError(name)
+
+
+def wrap(model: nn.Module, wrapper: str) -> nn.Module:
+    """``model`` replicated in place, or wrapped in DDP."""
+    if wrapper == "DDP":
+        return DistributedDataParallel(model)
+    assert wrapper == "replicate", wrapper
+    return replicate(model)
+
+
+def under_replicate_and_ddp(rank: int, world_size: int, train: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Runs ``train(..., wrapper=w)`` for replicate() and then DDP; both must complete.
+
+    Where a stock hook fails by itself, the message shows that DDP fails the
+    same way, so the failure is the hook's, not replicate()'s.
+    """
+    failures = {}
+    for wrapper in ("replicate", "DDP"):
+        try:
+            train(rank, world_size, *args, wrapper=wrapper, **kwargs)
+        except Exception as error:  # reported below, with the other wrapper's outcome
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            failures[wrapper] = f"{type(error).__name__} in {where.name} ({where.filename}:{where.lineno}): {error}"
+    assert not failures, f"rank {rank}: failed under {' and '.join(failures)}: {failures}"
 
 
 # -- stock hooks: same replicas everywhere, gradients as promised -----------------------
 
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def _reference_grads(reference: nn.Module, loss_of, batch: torch.Tensor, world_size: int):
+    """The global-batch gradient, and each rank's local gradient, at the current point."""
+    reference.zero_grad(set_to_none=True)
+    loss_of(reference(batch), batch).backward()
+    global_grads = _grads(reference)
+    shard_grads = []
+    for r in range(world_size):
+        reference.zero_grad(set_to_none=True)
+        shard = local_shard(batch, r)
+        loss_of(reference(shard), shard).backward()
+        shard_grads.append(_grads(reference))
+    return global_grads, shard_grads
+
+
+def _check_grads(model, global_grads, shard_grads, compare: str, where: str) -> bool:
+    """Asserts the replica's grads are what ``compare`` promises; returns whether any differs from the reference.
+
+    ``exact``: the all-reduce mean, as the default path gives: within
+    parity.py's rtol 1e-5 / atol 1e-6 of the global-batch reference, and
+    bitwise the mean of the ranks' local gradients.
+
+    ``fp16`` / ``bf16``: the hook rounds each rank's gradient (divided by the
+    world size, exact for 2) to the compressed format and the sum back to it:
+    two roundings of relative size at most u (u = 2^-11 for fp16, 2^-8 for
+    bf16), so |g - ref| <= 2u * mean_r |g_r| up to u^2 terms. Measured
+    against the rank gradients, not the mean, since the mean may cancel. We
+    allow 3u * mean_r |g_r| + 1e-6; the absolute term covers fp16 subnormals
+    (spacing 2^-24) and the fp32 reference's own rounding.
+
+    ``local``: no reduction at all (noop hook): exactly this rank's gradient.
+    """
+    differs = False
+    rank = dist.get_rank()
+    for (name, p), ref, *shards in zip(model.named_parameters(), global_grads, *shard_grads):
+        assert p.grad is not None, f"{where}: {name}.grad is None"
+        if compare == "exact":
+            torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {name}: {m}")
+            # bitwise what the default path gives: the sum of the ranks' local
+            # gradients over the world size (each halved first, as the hook
+            # does: exact for a power-of-2 world size)
+            mean = sum(shard / len(shards) for shard in shards)
+            assert torch.equal(p.grad, mean), f"{where}: {name}: not bitwise the mean of the local gradients"
+        elif compare == "local":
+            torch.testing.assert_close(p.grad, shards[rank], rtol=0, atol=0, msg=lambda m: f"{where}: {name}: {m}")
+        else:
+            u = UNIT_ROUNDOFF[compare]
+            scale = torch.stack([s.abs() for s in shards]).mean(0)
+            bound = 3 * u * scale + 1e-6
+            error = (p.grad - ref).abs()
+            worst = float((error / bound).max())
+            assert worst <= 1.0, (
+                f"{where}: {name}: {compare} gradient off by {float(error.max()):.3g}, "
+                f"more than 3u * mean|g_r| + 1e-6 allows (worst ratio {worst:.3f})"
+            )
+        differs = differs or not torch.equal(p.grad, ref)
+    return differs
+
+
+def train_with_hook(
+    rank: int,
+    world_size: int,
+    hook_name: str,
+    *,
+    compare: str = "exact",
+    model_name: str = "mlp",
+    steps: int = 4,
+    options: Optional[dict] = None,
+) -> int:
+    """Trains the replica with a stock hook; checks its grads every step. Returns the number of buckets.
+
+    The reference takes the replica's parameters before each step, so every
+    step compares gradients at the same point even when the hook is lossy.
+    """
+    build, make_batch, loss_of = MODELS[model_name]
+    model = seeded(build, 100 + rank)
+    reference = seeded(build, 100)
+    replicate(model, **(options or {}))
+    hook = make_hook(hook_name)
+    model.register_comm_hook(hook.state, hook.fn)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    differs = False
+    for step in range(steps):
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), reference.parameters()):
+                q.copy_(p)
+        batch = make_batch(torch.Generator().manual_seed(step), PER_RANK * world_size)
+        local = local_shard(batch, rank)
+        loss_of(model(local), local).backward()
+        global_grads, shard_grads = _reference_grads(reference, loss_of, batch, world_size)
+        differs = _check_grads(model, global_grads, shard_grads, compare, f"rank {rank} step {step}") or differs
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if compare != "local":
+            assert_replicas_identical(model, f"{hook_name}, after step {step}")
+    if compare == "local":
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert not same_on_every_rank(flat), (
+            f"rank {rank}: with {hook_name} nothing is averaged, so the replicas must diverge"
+        )
+    if compare in ("fp16", "bf16"):
+        assert differs, f"rank {rank}: {hook_name} left the fp32 gradients untouched: no compression"
+    return len(replicate.state(model).reducer.buckets)
+
+
 STOCK = [
-    # hook name, comparison (see comm_hook_cases._check_grads), replicate options
+    # hook name, comparison (see _check_grads), replicate options
     pytest.param("allreduce_none", "exact", {}, id="allreduce-state-None"),
     pytest.param("allreduce_group", "exact", {}, id="allreduce-state-group"),
-    pytest.param("allreduce_none", "exact", cases.TINY, id="allreduce-tiny-buckets"),
-    pytest.param("fp16", "fp16", cases.TINY, id="fp16_compress_hook"),
-    pytest.param("bf16", "bf16", cases.TINY, id="bf16_compress_hook"),
-    pytest.param("fp16_wrapper", "fp16", cases.TINY, id="fp16_compress_wrapper"),
-    pytest.param("bf16_wrapper", "bf16", cases.TINY, id="bf16_compress_wrapper"),
-    pytest.param("noop", "local", cases.TINY, id="noop_hook"),
+    pytest.param("allreduce_none", "exact", TINY_BUCKETS, id="allreduce-tiny-buckets"),
+    pytest.param("fp16", "fp16", TINY_BUCKETS, id="fp16_compress_hook"),
+    pytest.param("bf16", "bf16", TINY_BUCKETS, id="bf16_compress_hook"),
+    pytest.param("fp16_wrapper", "fp16", TINY_BUCKETS, id="fp16_compress_wrapper"),
+    pytest.param("bf16_wrapper", "bf16", TINY_BUCKETS, id="bf16_compress_wrapper"),
+    pytest.param("noop", "local", TINY_BUCKETS, id="noop_hook"),
 ]
 
 
@@ -52,29 +253,93 @@ STOCK = [
 def test_stock_hook(pools, hook_name, compare, options):
     """Four SGD steps; each step's grads checked against the single-process reference.
 
-    Tolerances (comm_hook_cases._check_grads): all-reduce rtol 1e-5 /
-    atol 1e-6 of the global-batch gradient and bitwise the mean of the
-    ranks' local gradients; fp16 / bf16 |g - ref| <= 3u * mean_r |g_r| + 1e-6 with unit
+    Tolerances (_check_grads): all-reduce rtol 1e-5 / atol 1e-6 of the
+    global-batch gradient and bitwise the mean of the ranks' local
+    gradients; fp16 / bf16 |g - ref| <= 3u * mean_r |g_r| + 1e-6 with unit
     roundoff u = 2^-11 / 2^-8 (two roundings of at most u each); noop:
     bitwise the local gradient. bf16 runs on CPU too, though DDP refuses it
     there ("requires CUDA 11+ and NCCL 2.10+").
     """
-    results = pools.run(2, cases.train_with_hook, hook_name, compare=compare, replicate_kwargs=options, timeout_s=60)
-    _raise_errors(results)
+    num_buckets = pools.run(2, train_with_hook, hook_name, compare=compare, options=options, timeout_s=60)[0]
     if options:
-        assert results[0]["num_buckets"] >= 3, "tiny caps should give several buckets"
-    if compare == "local":
-        assert results[0]["digests"] != results[1]["digests"], (
-            "with noop_hook nothing is averaged, so the replicas must diverge"
-        )
-        return
-    assert results[0]["digests"] == results[1]["digests"], "replicas are not bitwise identical"
-    if compare in ("fp16", "bf16"):
-        assert all(r["differs"] for r in results), f"{hook_name} left the fp32 gradients untouched: no compression"
-        assert all(r["worst_ratio"] <= 1.0 for r in results)
+        assert num_buckets >= 3, "tiny caps should give several buckets"
+
+
+def train_three_steps(rank: int, world_size: int, hook_name: str, *, wrapper: str) -> None:
+    """The MLP with a stock hook: three SGD steps on the same batch everywhere; replicas stay identical."""
+    build, make_batch, loss_of = MODELS["mlp"]
+    model = wrap(seeded(build, 100), wrapper)
+    hook = make_hook(hook_name)
+    model.register_comm_hook(hook.state, hook.fn)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        batch = make_batch(torch.Generator().manual_seed(step), PER_RANK)
+        loss_of(model(batch), batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        assert_replicas_identical(model, f"{wrapper}, {hook_name}, after step {step}")
+
+
+@pytest.mark.xfail(
+    KNOWN_BROKEN["quantization_on_gloo"],
+    reason=f"torch {TORCH_RELEASE}'s quantization hooks index the all_gather result as NCCL returns it; gloo "
+    "returns a flat list: IndexError in quantization_hooks.py at the first backward, under DDP too",
+    raises=WorkerError,
+    strict=True,
+)
+@pytest.mark.parametrize("hook_name", ["quant_pertensor", "quant_perchannel"])
+def test_quantization_hook_trains_on_gloo(pools, hook_name):
+    pools.run(2, under_replicate_and_ddp, train_three_steps, hook_name, timeout_s=60)
 
 
 # -- PowerSGD ------------------------------------------------------------------------
+
+
+class DeepLinear(nn.Module):
+    """Two matrices (compressed by PowerSGD) and two biases (sent uncompressed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden(x))
+
+
+def regression_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's fixed 64 samples of y = x A^T for one teacher A shared by all ranks."""
+    teacher = torch.randn(8, 32, generator=torch.Generator().manual_seed(7)) / 32**0.5
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1000 + rank))
+    return x, x @ teacher.T
+
+
+def train_regression(
+    rank: int, world_size: int, hook_name: str, *, falls_by: float, wrapper: str = "replicate", steps: int = 100
+) -> None:
+    """Full-batch SGD on the regression with a PowerSGD hook: the loss must fall ``falls_by`` times.
+
+    Also: replicas bitwise identical after every step, one PowerSGD step
+    counted per backward (at the is_last() bucket), and bucket 0 compressed.
+    """
+    model = wrap(seeded(DeepLinear, 100 + rank), wrapper)
+    hook = make_hook(hook_name)
+    model.register_comm_hook(hook.state, hook.fn)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    x, y = regression_data(rank)
+    losses = []
+    for step in range(steps):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        assert_replicas_identical(model, f"{wrapper}, {hook_name}, after step {step}")
+    where = f"rank {rank}, {wrapper}, {hook_name}"
+    assert losses[-1] < losses[0] / falls_by, f"{where}: the loss fell from {losses[0]:.3g} to {losses[-1]:.3g}"
+    assert hook.state.iter == steps, f"{where}: PowerSGD counted {hook.state.iter} steps in {steps} backwards"
+    compressed = sorted(hook.state.p_memory_dict)
+    assert compressed == [0], f"{where}: compressed buckets {compressed}, expected bucket 0 alone"
 
 
 def test_powerSGD_hook_converges(pools):
@@ -82,50 +347,64 @@ def test_powerSGD_hook_converges(pools):
 
     Plain SGD falls ~800x there, PowerSGD ~770x. One bucket: see the module docstring.
     """
-    results = pools.run(2, cases.powersgd_regression, "powerSGD", timeout_s=60)
-    _raise_errors(results)
-    assert results[0]["digests"] == results[1]["digests"], "replicas are not bitwise identical"
-    for r in results:
-        assert r["last_loss"] < r["first_loss"] / 100, (r["first_loss"], r["last_loss"])
-        assert r["state_iter"] == 100, "PowerSGD counts a step at each is_last() bucket"
-        assert r["compressed_buckets"] == [0], "PowerSGD never compressed"
+    pools.run(2, train_regression, "powerSGD", falls_by=100, timeout_s=60)
 
 
-def test_batched_powerSGD_hook(pools):
-    """The vanilla steps run; at the first compressed step torch 2.13's hook itself fails.
-
-    batched_powerSGD_hook passes the 2-D Q to _orthogonalize, which asserts
-    3-D input: an AssertionError on every rank at step start_powerSGD_iter
-    (2), the same under DDP, leaving the group usable. Should torch fix
-    the hook, the test requires convergence instead.
-    """
-    results = pools.run(2, cases.powersgd_regression, "batched_powerSGD", timeout_s=60)
-    if any("error" in r for r in results):
-        for r in results:
-            assert "error" in r, "only some ranks failed"
-            assert r["step"] == 2, r["error"]
-            assert "AssertionError" in r["error"] and "_orthogonalize" in r["error"], r["error"]
-            assert r["digests"] == results[0]["digests"], "replicas diverged in the vanilla steps"
-        ddp = pools.run(2, cases.first_backward_error, "batched_powerSGD", ddp=True, timeout_s=60)
-        assert all(r["error"] and "_orthogonalize" in r["error"] and r["step"] == 2 for r in ddp), ddp
-        assert all(r["group_ok"] for r in ddp)
-        return
-    assert results[0]["digests"] == results[1]["digests"]
-    for r in results:
-        assert r["last_loss"] < r["first_loss"] / 10
+@pytest.mark.xfail(
+    KNOWN_BROKEN["batched_powerSGD"],
+    reason=f"torch {TORCH_RELEASE}'s batched_powerSGD_hook passes a 2-D Q to _orthogonalize, which raises "
+    "AssertionError on it at the first compressed step (start_powerSGD_iter), under DDP too",
+    raises=WorkerError,
+    strict=True,
+)
+def test_batched_powerSGD_hook_converges(pools):
+    pools.run(2, under_replicate_and_ddp, train_regression, "batched_powerSGD", falls_by=10, timeout_s=60)
 
 
-# -- quantization hooks: not on gloo -----------------------------------------------------
+# -- PowerSGD state saved with the checkpoint ---------------------------------------------
 
 
-@pytest.mark.parametrize("hook_name", ["quant_pertensor", "quant_perchannel"])
-def test_quantization_hook_fails_clearly_on_gloo(pools, hook_name):
-    """Every rank raises the hook's own IndexError at the first backward, as DDP does."""
-    ours = pools.run(2, cases.first_backward_error, hook_name, ddp=False, timeout_s=60)
-    ddp = pools.run(2, cases.first_backward_error, hook_name, ddp=True, timeout_s=60)
-    for label, results in (("replicate", ours), ("DDP", ddp)):
-        for r in results:
-            assert r["error"] is not None, f"{label}: {hook_name} now works on gloo: test it properly"
-            assert r["step"] == 0, f"{label}: {r['error']}"
-            assert "IndexError" in r["error"] and "quantization_hooks.py" in r["error"], f"{label}: {r['error']}"
-            assert r["group_ok"], f"{label}: the process group is unusable after the error"
+def _train(model, optimizer, rank, steps, first_step):
+    for step in range(first_step, first_step + steps):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _fresh(seed):
+    model = seeded(MLP, seed)
+    replicate(model, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def powersgd_resume(rank, world_size):
+    """Training resumed from a checkpoint (model, optimizer, PowerSGD state) equals uninterrupted training."""
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=True, warm_start=True
+    )
+    model, optimizer = _fresh(0)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    _train(model, optimizer, rank, steps=4, first_step=0)
+    saved = io.BytesIO()
+    # What to save: the model, the optimizer and the hook state. PowerSGDState
+    # pickles without its process group (torch drops it in __getstate__).
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "powersgd": state}, saved)
+    _train(model, optimizer, rank, steps=4, first_step=4)
+
+    saved.seek(0)
+    checkpoint = torch.load(saved, weights_only=False)
+    restored_state = checkpoint["powersgd"]
+    restored_state.process_group = None  # re-attach: None means the world group
+    resumed, resumed_optimizer = _fresh(1)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed.register_comm_hook(restored_state, powerSGD_hook.powerSGD_hook)
+    _train(resumed, resumed_optimizer, rank, steps=4, first_step=4)
+    assert_same_parameters(resumed, model, f"rank {rank}: resumed training differs from uninterrupted training")
+    assert restored_state.iter == 8, f"rank {rank}: the restored PowerSGD state counted {restored_state.iter} steps"
+    assert_replicas_identical(model, "after 8 steps")
+
+
+def test_powersgd_state_round_trips_through_a_checkpoint(pools):
+    pools.run(2, powersgd_resume)
