@@ -147,7 +147,7 @@ def test_load_state_dict_with_assign_re_plans(pools):
 def check_subgroup(rank, world_size):
     group = dist.new_group([1, 2])  # every rank takes part in creating it
     if rank == 0:
-        return
+        return  # outside the group: nothing to replicate
     model = seeded(MLP, rank)
     reference = seeded(MLP, 1)  # group rank 0 is global rank 1: its weights win
     replicate(model, process_group=group)

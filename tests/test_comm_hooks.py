@@ -4,7 +4,8 @@ Two ranks. The protocol a hook sees (bucket order, views, errors, custom
 hooks) is in test_comm_hook_protocol.py.
 
 Stock hooks that fail by themselves (under DDP too) are strict xfails keyed
-on the torch release, see ``KNOWN_BROKEN`` below. PowerSGD with more than one
+on the torch release (``QUANTIZATION_HOOKS_BROKEN_ON_GLOO``,
+``BATCHED_POWERSGD_BROKEN``). PowerSGD with more than one
 bucket: its callbacks launch collectives from gloo's worker threads, so
 buckets in flight together interleave differently on each rank. DDP hangs or
 aborts there; replicate() calls a bucket's hook only once the previous
@@ -45,18 +46,16 @@ from torchreplicate import replicate
 
 # Torch releases where a stock hook is known to fail by itself, under DDP as
 # under replicate(). Checked on 2.13.0, the release the suite is tested on; add
-# a release here once it is seen failing the same way.
+# a release to a set once it is seen failing the same way.
 TORCH_RELEASE = torch.__version__.split("+")[0]
-KNOWN_BROKEN = {
-    # quantization_pertensor_hook / quantization_perchannel_hook index the
-    # all_gather future's value as NCCL returns it; gloo returns a flat list,
-    # so the hook's own callback raises IndexError (quantization_hooks.py).
-    "quantization_on_gloo": TORCH_RELEASE in {"2.13.0"},
-    # batched_powerSGD_hook passes its 2-D Q to _orthogonalize, which raises
-    # AssertionError on anything but a 3-D batch of matrices, at the first
-    # compressed step (any backend).
-    "batched_powerSGD": TORCH_RELEASE in {"2.13.0"},
-}
+# quantization_pertensor_hook / quantization_perchannel_hook index the
+# all_gather future's value as NCCL returns it; gloo returns a flat list, so
+# the hook's own callback raises IndexError (quantization_hooks.py).
+QUANTIZATION_HOOKS_BROKEN_ON_GLOO = TORCH_RELEASE in {"2.13.0"}
+# batched_powerSGD_hook passes its 2-D Q to _orthogonalize, which raises
+# AssertionError on anything but a 3-D batch of matrices, at the first
+# compressed step (on any backend).
+BATCHED_POWERSGD_BROKEN = TORCH_RELEASE in {"2.13.0"}
 
 # Unit roundoff (half an ulp at 1.0) of the compressed formats: fp16 keeps 11
 # significant bits, bf16 keeps 8.
@@ -281,7 +280,7 @@ def train_three_steps(rank: int, world_size: int, hook_name: str, *, wrapper: st
 
 
 @pytest.mark.xfail(
-    KNOWN_BROKEN["quantization_on_gloo"],
+    QUANTIZATION_HOOKS_BROKEN_ON_GLOO,
     reason=f"torch {TORCH_RELEASE}'s quantization hooks index the all_gather result as NCCL returns it; gloo "
     "returns a flat list: IndexError in quantization_hooks.py at the first backward, under DDP too",
     raises=WorkerError,
@@ -351,7 +350,7 @@ def test_powerSGD_hook_converges(pools):
 
 
 @pytest.mark.xfail(
-    KNOWN_BROKEN["batched_powerSGD"],
+    BATCHED_POWERSGD_BROKEN,
     reason=f"torch {TORCH_RELEASE}'s batched_powerSGD_hook passes a 2-D Q to _orthogonalize, which raises "
     "AssertionError on it at the first compressed step (start_powerSGD_iter), under DDP too",
     raises=WorkerError,
