@@ -93,3 +93,12 @@ def assert_replicas_identical(model: nn.Module, where: str) -> None:
     if differing:
         name, first = named[differing[0]]
         assert_same_on_every_rank(first, f"{where}: replicas differ in {[named[i][0] for i in differing]}; {name}")
+
+
+def assert_group_usable(where: str) -> None:
+    """An all-reduce on the world group still gives the right sum."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    probe = torch.full((3,), float(rank + 1))
+    dist.all_reduce(probe)
+    expected = world_size * (world_size + 1) / 2
+    assert torch.equal(probe, torch.full((3,), expected)), f"{where}: the process group is unusable: {probe.tolist()}"

@@ -25,7 +25,14 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from models import MODELS, TINY_BUCKETS
-from parity import PER_RANK, assert_replicas_identical, assert_same_on_every_rank, local_shard, seeded
+from parity import (
+    PER_RANK,
+    assert_group_usable,
+    assert_replicas_identical,
+    assert_same_on_every_rank,
+    local_shard,
+    seeded,
+)
 from torchreplicate import replicate
 
 
@@ -34,15 +41,6 @@ def completed(value: Any) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-def assert_group_usable(where: str) -> None:
-    """An all-reduce on the world group still gives the right sum."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    probe = torch.full((3,), float(rank + 1))
-    dist.all_reduce(probe)
-    expected = world_size * (world_size + 1) / 2
-    assert torch.equal(probe, torch.full((3,), expected)), f"{where}: the process group is unusable: {probe.tolist()}"
 
 
 def error_text(action: Callable[[], Any], error_type: type, *words: str, where: str) -> str:
