@@ -3,7 +3,7 @@
 torch 2.13's SyncBatchNorm refuses CPU tensors in training ("SyncBatchNorm
 expected input tensor to be on GPU ..."), so on this CPU machine the tests
 check the conversion, before and after replicate(), and pin that message;
-test_accumulation_and_buffers.py trains one on a GPU.
+test_buffers.py trains one on a GPU.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ the last layers, called through such a method), the callback runs when the
 nested pass ends, and the rest of the backward queues another: the step is
 reduced in two rounds, each agreed, and the second adds the mean of what the
 outer pass accumulated. Still exact, as long as every rank's graph has the
-same nesting (tests/dynamic_cases.py: other_method_checkpointed).
+same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 """
 
 from __future__ import annotations
