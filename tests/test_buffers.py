@@ -58,11 +58,14 @@ def test_buffers_left_alone_when_asked(pools):
 
 
 def sync_batchnorm_trains(rank, world_size):
-    model = nn.SyncBatchNorm.convert_sync_batchnorm(seeded(Norms, 0))
+    # On the GPU (the test pool's gloo group carries CUDA tensors for SyncBatchNorm's all-gather)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(seeded(Norms, 0)).to(device)
     replicate(model)
     for step in range(3):
-        model(data(rank, step) + rank).pow(2).mean().backward()
+        model((data(rank, step) + rank).to(device)).pow(2).mean().backward()
         model.zero_grad()
+    model.cpu()
     assert_replicas_identical(model, "after 3 steps")
 
 
