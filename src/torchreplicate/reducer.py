@@ -118,6 +118,7 @@ class Reducer:
         learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
         self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
+        self._group_name = group.group_name  # how the traced path names it ([Note: compiled autograd])
         self.layout = layout
         self.sync = sync
         self.watch = watch
@@ -250,6 +251,9 @@ class Reducer:
     @labelled("hook")
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # Runs after every accumulation into param.grad: keep it short.
+        if torch.compiler.is_compiling():
+            self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd]
+            return
         grad = param.grad
         if grad is None:
             return  # an undefined gradient (a Function returned None): nothing accumulated
@@ -290,6 +294,25 @@ class Reducer:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._launch_ready(step)
+
+    def _traced_reduce(self, param: nn.Parameter) -> None:
+        # [Note: compiled autograd]
+        # Under compiled autograd (torch._dynamo.config.compiled_autograd with
+        # a compiled step that runs backward), this hook is traced into the
+        # backward graph, where no Python bookkeeping, async work handle or
+        # end-of-backward callback can run (queue_callback is refused, or
+        # silently dropped, torch 2.13). So the traced path is DDP's "python
+        # reducer" one: each gradient is divided and summed across ranks by a
+        # functional all-reduce, in the graph, in place; inductor may fuse
+        # them into buckets. Its limit, as DDP's: every rank must produce a
+        # gradient for the same parameters each step (no unused parameters,
+        # no comm hook, no reduce_dtype; README: Compiled autograd).
+        if not self.sync.on:
+            return
+        grad = param.grad
+        if grad is None:
+            return
+        grad.copy_(torch_internals.traced_all_reduce(grad / self.reduction.divide_factor, self._group_name))
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).

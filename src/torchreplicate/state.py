@@ -507,7 +507,8 @@ class _OutputGradHook:
         self.reducer = reducer
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        self.reducer.queue_finalize()
+        if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
+            self.reducer.queue_finalize()
         return grad  # not None: traced under compiled autograd, the return value is the gradient
 
 

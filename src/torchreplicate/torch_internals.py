@@ -7,7 +7,7 @@ later torch moves one, this file is the only one to change.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -102,3 +102,17 @@ def disable_join(joinable: object) -> None:
     from torch.distributed.algorithms.join import _JoinConfig
 
     joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
+
+
+def traced_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """A sum over the group that compiled autograd can trace into its graph.
+
+    ``torch.distributed._functional_collectives.all_reduce`` (torch >= 2.1;
+    no public name in 2.13) returns a new tensor and needs no work handle:
+    what DDP's Python reducer uses under compiled autograd.
+    """
+    from torch.distributed import _functional_collectives
+
+    group: Any = group_name  # a GroupName (a str) for torch's stubs
+    summed: torch.Tensor = _functional_collectives.all_reduce(tensor, "sum", group)
+    return summed
