@@ -12,7 +12,7 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.state import ReplicateState
 
 __all__ = ["GradBucket", "ReplicateConfig", "ReplicateModule", "ReplicateState", "launch", "replicate"]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 
 def __getattr__(name: str) -> Any:
