@@ -175,7 +175,7 @@ def replicate(
     process_group: Optional[dist.ProcessGroup] = None,
     mesh: Optional[DeviceMesh] = None,
     device_mesh: Optional[DeviceMesh] = None,
-    bucket_cap_mb: float = 25,
+    bucket_cap_mb: Optional[float] = None,
     first_bucket_cap_mb: float = 1,
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: bool = True,
@@ -211,7 +211,8 @@ def replicate(
             DTensors. Default: none (the world group).
         device_mesh: the same as ``mesh``, under DDP's name.
         bucket_cap_mb: gradients travel in buckets of about this many MiB.
-            Default 25.
+            Default None: the reducer measures the link in its first step and
+            picks the size (see tuning.py; 25 MiB until then); a number pins it.
         first_bucket_cap_mb: cap of the first bucket, small so the first
             collective starts early in backward. Default 1.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,

@@ -137,11 +137,12 @@ class StepState:
         num_params: number of reduced parameters.
     """
 
-    __slots__ = ("fired", "grew", "absorbed", "held", "num_launched", "late", "finalize_queued")
+    __slots__ = ("fired", "grew", "first_ready", "absorbed", "held", "num_launched", "late", "finalize_queued")
 
     def __init__(self, num_params: int) -> None:
         self.fired = [0] * num_params  # accumulations into .grad seen, per parameter
         self.grew = False  # some parameter fired more often than learned so far
+        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
         # per parameter: its slot holds its contribution as the reduction wants
         # it (scaled on the way in), so nothing is left to do before launch
         self.absorbed = [False] * num_params

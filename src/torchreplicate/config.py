@@ -28,7 +28,7 @@ class ReplicateConfig:
 
     ignored_modules: tuple[nn.Module, ...] = ()
     device_id: Optional[torch.device] = None
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: Optional[float] = None  # None: tuned by the reducer (tuning.py)
     first_bucket_cap_mb: float = 1.0
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
@@ -61,6 +61,8 @@ class ReplicateConfig:
                 )
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
+            if option == "bucket_cap_mb" and value is None:
+                continue  # tuned
             if not _is_positive_finite(value):
                 raise ValueError(
                     f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "

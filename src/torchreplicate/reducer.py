@@ -73,6 +73,7 @@ from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.torch_internals import queue_end_of_backward_callback
+from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, agree_order, choose_cap, measure_link, readiness_order
 from torchreplicate.watchdog import StallWatch
 
 
@@ -83,7 +84,8 @@ class Reducer:
         params: the parameters to reduce, in registration order.
         names: their fully qualified names, for error messages.
         group: the process group to reduce over.
-        bucket_cap_bytes: bucket size cap.
+        bucket_cap_bytes: bucket size cap; None: measured and chosen in the first
+            synchronised step ([Note: tuning] in tuning.py).
         first_bucket_cap_bytes: cap of the first bucket.
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
@@ -104,7 +106,7 @@ class Reducer:
         names: Sequence[str],
         group: dist.ProcessGroup,
         *,
-        bucket_cap_bytes: int,
+        bucket_cap_bytes: Optional[int],
         first_bucket_cap_bytes: int,
         layout: GradLayout,
         reduction: Reduction,
@@ -130,8 +132,15 @@ class Reducer:
         refuse_foreign_hooks(self.slots)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
-        dense_groups = None if groups is None else [groups[slot.index] for slot in dense]
-        self.buckets = self._build_buckets(dense, bucket_cap_bytes, first_bucket_cap_bytes, dense_groups)
+        # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
+        self.layout_policy = LayoutPolicy(
+            dense,
+            None if groups is None else [groups[slot.index] for slot in dense],
+            DEFAULT_CAP if bucket_cap_bytes is None else bucket_cap_bytes,
+            first_bucket_cap_bytes,
+            tune_cap=bucket_cap_bytes is None,
+        )
+        self.buckets = self._build_buckets(self.layout_policy)
         # torch's optimizer-in-backward: its own hooks would step on the local
         # gradient, so they go, and the reducer steps after the average
         self._in_backward = [slot for slot in self.slots if slot.optimizers]
@@ -172,10 +181,9 @@ class Reducer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _build_buckets(
-        self, dense: Sequence[ParamSlot], cap_bytes: int, first_cap_bytes: int, groups: Optional[Sequence[int]]
-    ) -> list[Bucket]:
+    def _build_buckets(self, policy: LayoutPolicy) -> list[Bucket]:
         extra = num_flags(len(self.slots))
+        dense = policy.dense
         if not dense:  # only sparse parameters: the flags still need a bucket to travel in
             return [Bucket(0, [], torch.float32, self.slots[0].param.device, extra=extra)]
         params = [local(slot.param) for slot in dense]
@@ -183,9 +191,10 @@ class Reducer:
             [p.numel() for p in params],
             [p.dtype for p in params],
             [p.device for p in params],
-            cap_bytes=cap_bytes,
-            first_cap_bytes=first_cap_bytes,
-            groups=groups,
+            order=policy.order,
+            cap_bytes=policy.cap_bytes,
+            first_cap_bytes=policy.first_cap_bytes,
+            groups=policy.groups,
         )
         last = len(specs) - 1
         return [
@@ -277,6 +286,8 @@ class Reducer:
         step.fired[slot.index] = fired
         if fired > slot.expected:
             step.grew = True  # a count to learn at the end of the step
+            if fired == 1 and self.layout_policy.pending:
+                step.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
         bucket = slot.bucket
         if self.events is not None:
             self.events.grad(bucket.index)
@@ -402,6 +413,8 @@ class Reducer:
         self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere, self.timeout)
         self._learn(step)
         self.num_steps += 1
+        if self.layout_policy.pending:
+            self._tune(step)
         if watch is not None:
             watch.at("user code after the backward", self.num_steps)
         if events is not None:
@@ -411,6 +424,25 @@ class Reducer:
                 for optimizer in slot.optimizers:
                     optimizer.step()
                 slot.param.grad = None  # as torch's optimizer-in-backward leaves it
+
+    def _tune(self, step: StepState) -> None:
+        # The end of the first synchronised step, on every rank: launch order,
+        # bucket cap, then the new layout ([Note: tuning] in tuning.py).
+        policy = self.layout_policy
+        policy.pending = False
+        if not policy.dense:
+            return
+        group, device = self.group, self.buckets[-1].buffer.device
+        position = {slot.index: i for i, slot in enumerate(policy.dense)}
+        ready = [position[i] for i in step.first_ready if i in position]
+        policy.order = agree_order(readiness_order(ready, len(policy.dense)), group, device)
+        if policy.tune_cap:
+            policy.link = measure_link(group, self.buckets[0].buffer.dtype, device)
+            policy.cap_bytes = choose_cap(policy.link)
+            policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
+        self.buckets = self._build_buckets(policy)
+        self.layout.adopt(policy.dense)  # .grad moves from the old buckets into the new
+        self.flags = self._bind(self.reduction, self.flags.clock)
 
     def _raise_desync(self, sums: FlagSums) -> None:
         # Every rank read the same sums, so every rank is here: one more agreed
@@ -436,6 +468,8 @@ class Reducer:
             for bucket in self.buckets:
                 all_reduce(torch.zeros_like(bucket.grads), self.group, self.timeout)
         self.sparse.shadow(self.group, self.timeout)
+        if self.layout_policy.pending:  # the ranks still training tune after their first step: so here
+            self._tune(StepState(len(self.slots)))
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""

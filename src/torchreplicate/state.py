@@ -408,7 +408,7 @@ class ReplicateState:
             self.plan.params,
             self.plan.names,
             self.group,
-            bucket_cap_bytes=int(self.config.bucket_cap_mb * MiB),
+            bucket_cap_bytes=None if self.config.bucket_cap_mb is None else int(self.config.bucket_cap_mb * MiB),
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             layout=grad_layout(self.config.gradient_as_bucket_view),
             reduction=self.reduction,

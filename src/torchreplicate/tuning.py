@@ -1,0 +1,138 @@
+"""Launch order and bucket sizes, learned by the reducer in its first synchronised step.
+
+[Note: tuning]
+Where the network is slower than compute, a step cannot be shorter than its
+communication plus the part of compute that cannot overlap it; what decides
+how close it gets is how early the first collective starts and how busy the
+link stays. Two things, learned once, at the end of the first synchronised
+backward, by every rank at the same point:
+
+- Launch order: the order in which parameters' gradients became ready in
+  that backward (on group rank 0, broadcast: one collective), so buckets
+  fill in the order backward really produces them (DDP rebuilds its buckets
+  the same way); registration order can differ (tied weights, modules
+  registered out of execution order).
+- Bucket size, unless pinned by ``bucket_cap_mb``: a few all-reduces of
+  known sizes are timed (the slowest rank's time counts: one all-reduce of
+  the timings), a line ``time = latency + bytes / bandwidth`` is fitted, and
+  the cap is the smallest bucket whose fixed latency costs at most
+  ``OVERHEAD`` of its transfer time. Slow links get small buckets (the link
+  starts early and stays busy), fast ones large buckets (few collectives).
+
+Both go through ``plan_buckets`` to a new bucket layout; slots, learned
+counts and ``.grad`` values carry over. Every rank takes the same decision
+from the same numbers, so the collective sequence stays one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torchreplicate.bucket import ParamSlot
+
+MiB = 1024 * 1024
+DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
+OVERHEAD = 0.05  # the latency a bucket may add, as a share of its transfer time
+MIN_CAP = 256 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
+MAX_CAP = 64 * MiB
+CALIBRATION_BYTES = (64 * 1024, 1 * MiB, 4 * MiB)  # the sizes timed
+CALIBRATION_REPEATS = 3  # the fastest of these counts (noise only adds time)
+
+
+class LinkModel(NamedTuple):
+    """A fitted ``time = latency_s + bytes / bytes_per_s`` for one all-reduce."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        """Predicted time of one all-reduce of ``nbytes``."""
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> LinkModel:
+    """Least-squares line through (bytes, seconds); pure, tested alone."""
+    n = len(sizes)
+    mean_x = sum(sizes) / n
+    mean_y = sum(seconds) / n
+    var_x = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var_x if var_x else 0.0
+    slope = max(slope, 1e-13)  # faster than 10 TB/s: noise
+    latency = max(mean_y - slope * mean_x, 0.0)
+    return LinkModel(latency, 1.0 / slope)
+
+
+def choose_cap(link: LinkModel) -> int:
+    """The bucket cap in bytes: latency at most ``OVERHEAD`` of the transfer, within bounds."""
+    cap = link.latency_s * link.bytes_per_s / OVERHEAD
+    return int(min(MAX_CAP, max(MIN_CAP, cap)))
+
+
+def readiness_order(first_ready: Sequence[int], num_params: int) -> list[int]:
+    """The launch order: parameters as they became ready, then the rest in reverse registration order."""
+    seen = set(first_ready)
+    return list(first_ready) + [i for i in range(num_params - 1, -1, -1) if i not in seen]
+
+
+@torch.no_grad()
+def agree_order(order: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Group rank 0's order, on every rank (one broadcast)."""
+    tensor = torch.tensor(list(order), dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+    return [int(i) for i in tensor.tolist()]
+
+
+@torch.no_grad()
+def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> LinkModel:
+    """Times all-reduces of ``CALIBRATION_BYTES`` on ``group``; the slowest rank's times count."""
+    element = torch.empty((), dtype=dtype).element_size()
+    fastest = []
+    for nbytes in CALIBRATION_BYTES:
+        scratch = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
+        dist.all_reduce(scratch, group=group)  # warm: connections, allocator
+        best = float("inf")
+        for _ in range(CALIBRATION_REPEATS):
+            start = time.perf_counter()
+            dist.all_reduce(scratch, group=group)
+            best = min(best, time.perf_counter() - start)
+        fastest.append(best)
+    timings = torch.tensor(fastest, dtype=torch.float64, device=device)
+    dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
+    return fit_link(CALIBRATION_BYTES, timings.tolist())
+
+
+class LayoutPolicy:
+    """How a reducer lays out its buckets, and what its first step still has to learn.
+
+    Args:
+        dense: the slots laid out in buckets (sparse ones are not), in registration order.
+        groups: per dense slot, its nested-replicate group (bucket_plan.py), or None.
+        cap_bytes: the bucket cap (``DEFAULT_CAP`` until tuned, when ``tune_cap``).
+        first_cap_bytes: the first bucket's cap.
+        tune_cap: measure the link in the first step and choose the cap.
+    """
+
+    def __init__(
+        self,
+        dense: Sequence[ParamSlot],
+        groups: Optional[Sequence[int]],
+        cap_bytes: int,
+        first_cap_bytes: int,
+        *,
+        tune_cap: bool,
+    ) -> None:
+        # - Configuration
+        self.dense = list(dense)
+        self.groups = groups
+        self.tune_cap = tune_cap
+        # - Learned in the first synchronised step ([Note: tuning])
+        self.pending = True  # nothing learned yet
+        self.cap_bytes = cap_bytes
+        self.first_cap_bytes = first_cap_bytes
+        self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
+        self.link: Optional[LinkModel] = None  # the fitted link, when measured

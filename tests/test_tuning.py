@@ -1,0 +1,114 @@
+"""Launch order and bucket size learned in the first step ([Note: tuning] in tuning.py)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from parity import assert_grads_match, seeded
+from torchreplicate import replicate
+from torchreplicate.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
+
+DIM = 16
+
+
+def test_fit_recovers_a_line():
+    sizes = [1_000, 100_000, 1_000_000]
+    link = fit_link(sizes, [0.001 + s / 1e8 for s in sizes])
+    assert abs(link.latency_s - 0.001) < 1e-9 and abs(link.bytes_per_s - 1e8) / 1e8 < 1e-9
+
+
+def test_cap_follows_the_link():
+    slow = choose_cap(LinkModel(latency_s=0.0003, bytes_per_s=125e6))  # 1 Gbit/s
+    fast = choose_cap(LinkModel(latency_s=0.0003, bytes_per_s=10e9))
+    assert MIN_CAP <= slow < fast <= MAX_CAP, (slow, fast)
+
+
+def test_readiness_order_keeps_every_parameter_once():
+    assert readiness_order([2, 0], 4) == [2, 0, 3, 1]
+
+
+class OutOfOrder(nn.Module):
+    """Registered a, b, c, d; run d, c, b, a in forward, so backward readies a first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.b(torch.tanh(self.c(torch.tanh(self.d(x)))))))
+
+
+class Tuned(NamedTuple):
+    first_bucket: list[str]  # names in bucket 0 after the first step
+    buckets_before: int
+    buckets_after: int
+
+
+def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
+    options = {} if cap_mb is None else {"bucket_cap_mb": cap_mb, "first_bucket_cap_mb": cap_mb / 2}
+    model = replicate(seeded(OutOfOrder, 1 + rank), **options)
+    reference = seeded(OutOfOrder, 1)
+    before = len(replicate.state(model).reducer.buckets)
+    for step in range(4):
+        x = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)]
+        model(x[rank]).pow(2).mean().backward()
+        torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
+        assert_grads_match(model, reference, f"rank {rank} step {step}")
+        with torch.no_grad():
+            for m in (model, reference):
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                m.zero_grad()
+    buckets = replicate.state(model).reducer.buckets
+    return Tuned([s.name for s in buckets[0].slots], before, len(buckets))
+
+
+@pytest.mark.parametrize("cap_mb", [None, 0.001], ids=["tuned-cap", "pinned-tiny-cap"])
+def test_first_step_learns_the_launch_order(pools, cap_mb):
+    results = pools.run(2, tuned, cap_mb)
+    assert results[0] == results[1], "the ranks chose different layouts"
+    r = results[0]
+    if cap_mb is not None:
+        # tiny buckets: the first bucket holds what backward readies first, a's
+        assert r.first_bucket[0].startswith("a."), r
+        assert r.buckets_after == r.buckets_before, r
+
+
+class Chosen(NamedTuple):
+    cap_bytes: int
+    layout: list[list[str]]
+
+
+def skewed_clocks(rank: int, world_size: int) -> Chosen:
+    """Each rank's clock runs at its own speed: the ranks must still choose the same buckets."""
+    import time
+
+    from torchreplicate import tuning
+
+    real = time.perf_counter
+    speed = 1.0 + 4.0 * rank  # rank 1 measures every all-reduce 5x slower
+
+    class SkewedTime:
+        @staticmethod
+        def perf_counter() -> float:
+            return real() * speed
+
+    tuning.time = SkewedTime  # type: ignore[assignment]
+    try:
+        model = replicate(seeded(OutOfOrder, 1))
+        for step in range(2):
+            model(torch.randn(4, DIM)).pow(2).mean().backward()
+            model.zero_grad()
+    finally:
+        tuning.time = time  # type: ignore[assignment]
+    reducer = replicate.state(model).reducer
+    return Chosen(reducer.layout_policy.cap_bytes, [[s.name for s in b.slots] for b in reducer.buckets])
+
+
+def test_ranks_with_different_timings_choose_the_same_plan(pools):
+    results = pools.run(2, skewed_clocks)
+    assert results[0] == results[1], results
