@@ -100,7 +100,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
     tuning.time = SkewedTime  # type: ignore[assignment]
     try:
         model = replicate(seeded(OutOfOrder, 1))
-        for step in range(2):
+        for _ in range(2):
             model(torch.randn(4, DIM)).pow(2).mean().backward()
             model.zero_grad()
     finally:
