@@ -10,8 +10,17 @@ from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.comm_hooks import GradBucket
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.state import ReplicateState
+from torchreplicate.tracing import trace
 
-__all__ = ["GradBucket", "ReplicateConfig", "ReplicateModule", "ReplicateState", "launch", "replicate"]
+__all__ = [
+    "GradBucket",
+    "ReplicateConfig",
+    "ReplicateModule",
+    "ReplicateState",
+    "launch",
+    "replicate",
+    "trace",
+]
 __version__ = "0.2.0.dev0"
 
 

@@ -1,0 +1,252 @@
+"""The timeline of every synchronised backward, as plain records: what ``trace()`` and ``log_summary()`` read.
+
+``StepRecorder`` is the observer of events.py: the reducer calls it at the
+points of a step, it notes a ``time.perf_counter_ns()`` at each, and at the
+end of the step hands one ``StepRecord`` to its subscribers (the tracer of
+tracing.py, the summary of summary.py). One recorder per replicated module,
+kept where the reducer looks for it (``replicate.state(model).events``), so
+a trace and a summary on the same model share it; it is detached when its
+last subscriber leaves, so a model nobody observes pays one attribute check
+per point ([Note: observer cost]).
+
+[Note: observer cost]
+Every event is one call, one clock read and a store into a dict or a list;
+``grad``, called once per accumulation into a ``.grad`` (once per parameter
+per step), reads the clock only for the first gradient of each bucket. Ready
+is not an event of its own: a bucket launched from a gradient hook was ready
+then; one launched from the end of backward was ready when the end of
+backward started. Measured in benchmarks/bench_observe.py (README: "See
+inside a step").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import nn
+
+from torchreplicate.registry import get_state
+
+Subscriber = Callable[["StepRecord"], None]
+
+
+@dataclass(frozen=True)
+class BucketTimes:
+    """One bucket in one step, in ``time.perf_counter_ns()`` of its rank.
+
+    Attributes:
+        index: the bucket's index (its launch order).
+        first_grad_ns: the first gradient accumulated into it, or None (no
+            parameter of the bucket got a gradient on this rank).
+        ready_ns: when it could be launched (at ``launch_ns`` from a hook, or
+            when the end of backward started).
+        launch_ns: its collective started.
+        from_hook: launched from a gradient hook (overlapped with backward),
+            or else from the end of backward.
+        wait_ns: the end of backward started waiting for it.
+        done_ns: its reduced gradients were in place.
+    """
+
+    index: int
+    first_grad_ns: Optional[int]
+    ready_ns: int
+    launch_ns: int
+    from_hook: bool
+    wait_ns: int
+    done_ns: int
+
+    @property
+    def exposed_ns(self) -> int:
+        """Time the end of backward spent waiting for this bucket."""
+        return self.done_ns - self.wait_ns
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One synchronised backward on one rank (``perf_counter_ns`` of that rank).
+
+    Attributes:
+        step: the synchronised backward's number (0 for the first; the same
+            on every rank).
+        backward_ns: its first gradient or output hook ran.
+        finalize_ns: the end-of-backward work started.
+        end_ns: the step was complete (every ``.grad`` holds the average).
+        buckets: per bucket, in index order.
+        late_rounds: (start, end) of each late round ([Note: one collective
+            sequence] in reducer.py).
+        wire_bytes: bytes the step handed to the reducer's collectives.
+        replan_ns: the module re-planned before this step (state.py), or None.
+    """
+
+    step: int
+    backward_ns: int
+    finalize_ns: int
+    end_ns: int
+    buckets: tuple[BucketTimes, ...]
+    late_rounds: tuple[tuple[int, int], ...]
+    wire_bytes: int
+    replan_ns: Optional[int] = None
+
+    @property
+    def exposed_ns(self) -> int:
+        """Exposed communication: time in the end of backward's waits and late rounds."""
+        return sum(b.exposed_ns for b in self.buckets) + sum(end - start for start, end in self.late_rounds)
+
+    @property
+    def comm_span_ns(self) -> int:
+        """Time collectives were in flight: first launch to last bucket done (or late round end)."""
+        if not self.buckets:
+            return 0
+        last = max([b.done_ns for b in self.buckets] + [end for _, end in self.late_rounds])
+        return last - min(b.launch_ns for b in self.buckets)
+
+    @property
+    def backward_time_ns(self) -> int:
+        """First hook of the backward to the end of the step."""
+        return self.end_ns - self.backward_ns
+
+
+class StepRecorder:
+    """The step observer (events.py) that turns the reducer's events into ``StepRecord``s.
+
+    Attach it with ``subscribe(model, fn)``, which shares one recorder per
+    module; ``fn(record)`` runs at the end of every synchronised backward, on
+    the training thread, inside the reducer's end-of-backward callback (a
+    collective there is fine if every rank makes it at the same step).
+    """
+
+    def __init__(self) -> None:
+        # - Who hears about finished steps
+        self.subscribers: list[Subscriber] = []
+        # - The step in progress ([Note: observer cost]): reset at `backward`
+        self._step = -1
+        self._backward_ns = 0
+        self._finalize_ns = 0
+        self._first_grad: dict[int, int] = {}  # bucket -> first gradient
+        self._launch: dict[int, tuple[int, bool]] = {}  # bucket -> (launched, from a hook)
+        self._wait: dict[int, int] = {}  # bucket -> the end of backward started waiting
+        self._done: dict[int, int] = {}  # bucket -> reduced gradients in place
+        self._late: list[int] = []  # late round starts and ends, alternating
+        self._replan_ns: Optional[int] = None  # a re-plan before this step
+
+    # -- events.StepEvents ---------------------------------------------------
+
+    def backward(self, step: int) -> None:
+        """The synchronised backward of ``step`` started."""
+        self._backward_ns = time.perf_counter_ns()
+        self._step = step
+        self._finalize_ns = 0
+        self._first_grad = {}
+        self._launch = {}
+        self._wait = {}
+        self._done = {}
+        self._late = []
+
+    def grad(self, bucket: int) -> None:
+        """A gradient was accumulated into ``bucket``; only the first one per step is timed."""
+        if bucket not in self._first_grad:
+            self._first_grad[bucket] = time.perf_counter_ns()
+
+    def launch(self, bucket: int, from_hook: bool) -> None:
+        """``bucket``'s collective started."""
+        self._launch[bucket] = (time.perf_counter_ns(), from_hook)
+
+    def finalize(self, step: int) -> None:
+        """The end-of-backward work started."""
+        self._finalize_ns = time.perf_counter_ns()
+
+    def waiting(self, bucket: int) -> None:
+        """The end of backward started waiting for ``bucket``."""
+        self._wait[bucket] = time.perf_counter_ns()
+
+    def done(self, bucket: int) -> None:
+        """``bucket``'s reduced gradients are in place."""
+        self._done[bucket] = time.perf_counter_ns()
+
+    def late_round(self, started: bool) -> None:
+        """A late round started or ended."""
+        self._late.append(time.perf_counter_ns())
+
+    def replan(self, step: int) -> None:
+        """The module re-planned before ``step``."""
+        self._replan_ns = time.perf_counter_ns()
+
+    def step_end(self, step: int, wire_bytes: int) -> None:
+        """``step`` is complete: builds its record and hands it to every subscriber."""
+        end_ns = time.perf_counter_ns()
+        record = self._record(step, wire_bytes, end_ns)
+        self._replan_ns = None
+        for subscriber in list(self.subscribers):
+            subscriber(record)
+
+    # -- building the record ---------------------------------------------------
+
+    def _record(self, step: int, wire_bytes: int, end_ns: int) -> StepRecord:
+        finalize_ns = self._finalize_ns or end_ns
+        backward_ns = self._backward_ns if self._step == step else finalize_ns
+        buckets = []
+        for index in sorted(self._done):
+            launch_ns, from_hook = self._launch.get(index, (finalize_ns, False))
+            buckets.append(
+                BucketTimes(
+                    index=index,
+                    first_grad_ns=self._first_grad.get(index),
+                    ready_ns=launch_ns if from_hook else finalize_ns,
+                    launch_ns=launch_ns,
+                    from_hook=from_hook,
+                    wait_ns=self._wait.get(index, self._done[index]),
+                    done_ns=self._done[index],
+                )
+            )
+        late = self._late
+        return StepRecord(
+            step=step,
+            backward_ns=backward_ns,
+            finalize_ns=finalize_ns,
+            end_ns=end_ns,
+            buckets=tuple(buckets),
+            late_rounds=tuple((late[i], late[i + 1]) for i in range(0, len(late) - 1, 2)),
+            wire_bytes=wire_bytes,
+            replan_ns=self._replan_ns,
+        )
+
+
+def subscribe(model: nn.Module, subscriber: Subscriber) -> StepRecorder:
+    """Calls ``subscriber(record)`` at the end of every synchronised backward of ``model``.
+
+    Attaches the module's ``StepRecorder`` if none is attached yet.
+
+    Args:
+        model: a module ``replicate()`` was applied to.
+        subscriber: called with each ``StepRecord``.
+
+    Raises:
+        ValueError: ``model`` is not replicated.
+        RuntimeError: another observer was attached with ``set_events``.
+    """
+    state = get_state(model)
+    recorder = state.events
+    if recorder is None:
+        recorder = StepRecorder()
+        state.set_events(recorder)
+    elif not isinstance(recorder, StepRecorder):
+        raise RuntimeError(
+            f"torchreplicate: another step observer ({type(recorder).__name__}) is attached to this "
+            "model through replicate.state(model).set_events(); detach it (set_events(None)) first"
+        )
+    recorder.subscribers.append(subscriber)
+    return recorder
+
+
+def unsubscribe(model: nn.Module, subscriber: Subscriber) -> None:
+    """Stops calling ``subscriber``; detaches the recorder when nobody listens any more."""
+    state = get_state(model)
+    recorder = state.events
+    if not isinstance(recorder, StepRecorder):
+        return  # detached by hand already
+    if subscriber in recorder.subscribers:
+        recorder.subscribers.remove(subscriber)
+    if not recorder.subscribers:
+        state.set_events(None)
