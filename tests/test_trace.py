@@ -1,4 +1,4 @@
-"""See inside a step: the timeline (trace()).
+"""See inside a step: the timeline (trace()), the straggler summary (log_summary()).
 
 Pure tests feed the step recorder by hand; the multi-process ones trace real
 gloo ranks with tiny buckets (a known bucket plan) and read the file back.
@@ -7,7 +7,9 @@ gloo ranks with tiny buckets (a known bucket plan) and read the file back.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from typing import NamedTuple
 
 import pytest
@@ -18,6 +20,7 @@ import torchreplicate
 from dynamic_cases import Reused, reused_growing
 from parity import seeded
 from torchreplicate import replicate
+from torchreplicate.summary import summarize
 from torchreplicate.timeline import StepRecorder
 from torchreplicate.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
 
@@ -79,6 +82,21 @@ def test_recorder_builds_one_record_per_step():
     reduce_1 = next(e for e in events if e["name"] == "bucket 1 reduce")
     assert reduce_1["args"]["launched_from"] == "end of backward" and reduce_1["args"]["bytes"] == 24
     assert all(e["pid"] == 1 for e in events)
+
+
+def test_summary_names_the_rank_with_the_most_busy_time():
+    # rank 1 works 30 ms more per step; rank 0 waits for it in the end of backward
+    ms = 1e6
+    rows = [
+        [10, 10 * 50 * ms, 10 * 32 * ms, 10 * 1000, 10 * 35 * ms, 100],
+        [10, 10 * 50 * ms, 10 * 2 * ms, 10 * 1000, 10 * 5 * ms, 100],
+    ]
+    summary = summarize(rows, 100, 109)
+    assert (summary.slowest_rank, summary.fastest_rank) == (1, 0)
+    assert summary.slowest_by_ms == pytest.approx(30.0)
+    line = summary.line()
+    assert "steps 100-109" in line and "slowest rank 1" in line and "+30.00 ms" in line, line
+    assert "1 kB/step" in line and "step 50.00 ms" in line, line
 
 
 # -- multi-process: a real trace -----------------------------------------------------
@@ -197,6 +215,54 @@ def test_trace_late_rounds_and_a_failing_block(pools, tmp_path):
     assert not (tmp_path / "failed.json").exists()
 
 
+class SummaryResult(NamedTuple):
+    lines: list[str]  # what this rank logged
+    slowest: list[int]  # summary.last.slowest_rank after each report
+    slowest_by_ms: list[float]
+
+
+def summarized(rank: int, world_size: int, sleep_s: float) -> SummaryResult:
+    model = replicate(seeded(_net, rank), **TINY)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("torchreplicate")
+    log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    slowest, by_ms = [], []
+    try:
+        with torchreplicate.log_summary(model, every=3) as summary:
+            for step in range(6):
+                if rank == 1:
+                    time.sleep(sleep_s)  # the straggler
+                model(data(rank, step)).pow(2).mean().backward()
+                if (step + 1) % 3 == 0:
+                    assert summary.last is not None and summary.last.last_step == step, f"rank {rank} step {step}"
+                    slowest.append(summary.last.slowest_rank)
+                    by_ms.append(summary.last.slowest_by_ms)
+                model.zero_grad()
+        model(data(rank, 9)).pow(2).mean().backward()  # stopped: no collective of ours
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    assert replicate.state(model).events is None, f"rank {rank}: the recorder stays attached"
+    return SummaryResult(lines, slowest, by_ms)
+
+
+def test_summary_names_the_slow_rank(pools):
+    sleep_s = 0.05
+    results = pools.run(2, summarized, sleep_s)
+    assert results[1].lines == [], "only rank 0 logs"
+    assert len(results[0].lines) == 2, results[0].lines
+    assert "steps 0-2 on 2 rank(s)" in results[0].lines[0] and "steps 3-5" in results[0].lines[1]
+    for line in results[0].lines:
+        assert "slowest rank 1" in line and "over the fastest (rank 0)" in line, line
+    for result in results:  # the same report on every rank
+        assert result.slowest == [1, 1], result
+        assert all(by > 0.5 * sleep_s * 1e3 for by in result.slowest_by_ms), result
+
+
 class SingleResult(NamedTuple):
     num_records: int
     names: list[str]
@@ -206,7 +272,7 @@ def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
     model = replicate(seeded(_net, 0))
     assert replicate.state(model).reducer is None, "world size 1 runs no reducer"
     path = os.path.join(folder, "alone.json")
-    with torchreplicate.trace(path, model=model) as tracer:
+    with torchreplicate.trace(path, model=model) as tracer, torchreplicate.log_summary(model, every=1):
         for step in range(2):
             model(data(rank, step)).sum().backward()
     with open(path) as file:

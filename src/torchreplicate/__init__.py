@@ -10,6 +10,7 @@ from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.comm_hooks import GradBucket
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.state import ReplicateState
+from torchreplicate.summary import StepSummary, log_summary
 from torchreplicate.tracing import trace
 
 __all__ = [
@@ -17,7 +18,9 @@ __all__ = [
     "ReplicateConfig",
     "ReplicateModule",
     "ReplicateState",
+    "StepSummary",
     "launch",
+    "log_summary",
     "replicate",
     "trace",
 ]
