@@ -275,6 +275,7 @@ def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
     with torchreplicate.trace(path, model=model) as tracer, torchreplicate.log_summary(model, every=1):
         for step in range(2):
             model(data(rank, step)).sum().backward()
+    assert torchreplicate.verify_replicas(model, grads=True).ok
     with open(path) as file:
         names = [e["name"] for e in json.load(file)["traceEvents"] if e["ph"] != "M"]
     assert os.path.exists(os.path.join(folder, "alone.png"))

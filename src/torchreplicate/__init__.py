@@ -12,9 +12,12 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.state import ReplicateState
 from torchreplicate.summary import StepSummary, log_summary
 from torchreplicate.tracing import trace
+from torchreplicate.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
 
 __all__ = [
     "GradBucket",
+    "ReplicaMismatchError",
+    "ReplicaReport",
     "ReplicateConfig",
     "ReplicateModule",
     "ReplicateState",
@@ -23,6 +26,7 @@ __all__ = [
     "log_summary",
     "replicate",
     "trace",
+    "verify_replicas",
 ]
 __version__ = "0.2.0.dev0"
 

@@ -1,0 +1,348 @@
+"""``verify_replicas()``: are the replicas bitwise identical? One collective of digests; names what differs.
+
+Every rank hashes each replicated tensor's bytes (a 64-bit BLAKE2b digest)
+and the ranks all-gather one int64 tensor of digests: the whole check when
+the replicas agree. Where a digest differs, a second collective (agreed: every
+rank saw the same digests) all-gathers those tensors only, so every rank
+computes the same report: which tensor, which ranks, how many elements and
+the largest difference.
+
+Which value is "right": the one most ranks hold (ties go to the group with
+the lowest rank, so with two ranks rank 0's, the value ``replicate()``
+broadcasts). The other ranks are the ones named.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from typing import Any, NamedTuple, Optional, Sequence, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.registry import get_state
+
+_NO_TENSOR = -(2**63)  # the digest of a missing tensor (a gradient that is None)
+
+
+class Mismatch(NamedTuple):
+    """One tensor that is not the same on every rank.
+
+    Attributes:
+        kind: "parameter", "buffer", "gradient", or "tensor list" (the ranks
+            hold different tensors: ``name`` describes the first difference).
+        name: the tensor's fully qualified name.
+        ranks: the ranks whose value differs from the reference.
+        reference_rank: the lowest rank holding the value most ranks hold.
+        max_difference: largest ``|value - reference|`` over the elements and
+            the differing ranks, in float64 (NaN if a NaN is involved; inf if
+            one side has no gradient).
+        num_differing: elements that differ bitwise (the most over the
+            differing ranks).
+        numel: elements of the tensor.
+        first_index: index of the first differing element on the first
+            differing rank (empty when not applicable).
+        note: what else to say (a missing gradient), or "".
+    """
+
+    kind: str
+    name: str
+    ranks: tuple[int, ...]
+    reference_rank: int
+    max_difference: float
+    num_differing: int
+    numel: int
+    first_index: tuple[int, ...] = ()
+    note: str = ""
+
+    def describe(self) -> str:
+        """One line for the error message."""
+        who = ", ".join(str(r) for r in self.ranks)
+        plural = "s" if len(self.ranks) > 1 else ""
+        if self.kind == "tensor list":
+            return f"the ranks hold different tensors: {self.name} (rank{plural} {who} vs rank {self.reference_rank})"
+        verb = "differ" if plural else "differs"
+        text = f"{self.kind} {self.name!r}: rank{plural} {who} {verb} from rank {self.reference_rank}"
+        if self.note:
+            return f"{text}: {self.note}"
+        text += f": {self.num_differing} of {self.numel} elements, max |difference| {self.max_difference:.3g}"
+        if self.first_index:
+            text += f", first at {list(self.first_index)}"
+        return text
+
+
+class ReplicaReport(NamedTuple):
+    """What ``verify_replicas()`` found; the same on every rank.
+
+    Attributes:
+        num_tensors: tensors compared.
+        num_bytes: their bytes (on this rank).
+        world_size: ranks compared.
+        mismatches: every tensor that differs; empty when the replicas agree.
+    """
+
+    num_tensors: int
+    num_bytes: int
+    world_size: int
+    mismatches: tuple[Mismatch, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every tensor is bitwise identical on every rank."""
+        return not self.mismatches
+
+    def message(self) -> str:
+        """The error text: every differing tensor, one per line."""
+        if self.ok:
+            return f"verify_replicas(): {self.num_tensors} tensors bitwise identical on {self.world_size} ranks"
+        lines = [
+            f"verify_replicas(): {len(self.mismatches)} of {self.num_tensors} tensors differ across the "
+            f"{self.world_size} ranks:"
+        ]
+        lines += [f"  {m.describe()}" for m in self.mismatches]
+        if any(m.kind == "buffer" for m in self.mismatches):
+            lines.append(
+                "Buffers are broadcast from rank 0 before every forward; a forward that updates them "
+                "(BatchNorm statistics) makes them differ until the next forward: check before a "
+                "forward, or pass buffers=False."
+            )
+        return "\n".join(lines)
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The replicas differ; raised on every rank. ``error.report`` holds the ``ReplicaReport``."""
+
+    def __init__(self, report: ReplicaReport) -> None:
+        super().__init__(report.message())
+        self.report = report
+
+
+class _Entry(NamedTuple):
+    kind: str
+    name: str
+    tensor: Optional[torch.Tensor]  # None: a gradient that is None here
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@torch.no_grad()
+def verify_replicas(
+    model: nn.Module,
+    *,
+    grads: bool = False,
+    buffers: Optional[bool] = None,
+    raise_on_mismatch: bool = True,
+) -> ReplicaReport:
+    """Checks that every rank holds bitwise the same parameters and buffers (and gradients).
+
+    ::
+
+        torchreplicate.verify_replicas(model)  # raises ReplicaMismatchError on every rank if not
+
+    One all-gather of a 64-bit digest per tensor when the replicas agree;
+    where they differ, a second all-gather of the differing tensors names
+    each one, the ranks that differ and the largest difference. Call it at
+    the same point on every rank (it is a collective). Checked: the
+    parameters ``replicate()`` broadcasts (frozen ones too; not those of
+    ``ignored_modules`` or ``fully_shard`` children) and, with
+    ``grads=True``, the ``.grad`` of the averaged ones (call after
+    ``backward()``, before the optimizer step; a sparse gradient is compared
+    densely). Hashing reads every byte once on the CPU (a GPU tensor is
+    copied to the host).
+
+    Args:
+        model: a module ``replicate()`` was applied to.
+        grads: also compare gradients. Default False.
+        buffers: compare the replicated buffers. Default None: when they are
+            broadcast (``replicate(broadcast_buffers=True)``, the default).
+            A forward that updates buffers (BatchNorm) leaves them differing
+            until the next forward's broadcast, by design.
+        raise_on_mismatch: raise ``ReplicaMismatchError`` on a mismatch
+            (default True) or return the report.
+
+    Returns:
+        A ``ReplicaReport`` (``.ok``), the same on every rank.
+
+    Raises:
+        ReplicaMismatchError: on every rank, if a tensor differs and
+            ``raise_on_mismatch``.
+        ValueError: ``model`` is not replicated.
+    """
+    try:
+        state = get_state(model)
+    except ValueError as error:
+        raise ValueError(f"verify_replicas(): {error}") from None
+    if buffers is None:
+        buffers = state.config.broadcast_buffers
+    entries = _entries(model, state.plan, grads=grads, buffers=buffers)
+    num_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in entries if e.tensor is not None)
+    group = state.group
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return ReplicaReport(len(entries), num_bytes, 1, ())
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    description = repr([(e.kind, e.name, e.shape, str(e.dtype)) for e in entries])
+    digests = [_digest_bytes(description.encode())] + [tensor_digest(e.tensor) for e in entries]
+    local = torch.tensor(digests, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=group)
+    table = [row.tolist() for row in gathered]  # [rank][1 + tensor]
+    if len({row[0] for row in table}) > 1:
+        mismatches: tuple[Mismatch, ...] = (_different_lists(entries, table, group),)
+    else:
+        differing = [i for i in range(len(entries)) if len({row[1 + i] for row in table}) > 1]
+        mismatches = _explain(entries, differing, table, group, device) if differing else ()
+    report = ReplicaReport(len(entries), num_bytes, world_size, mismatches)
+    if mismatches and raise_on_mismatch:
+        raise ReplicaMismatchError(report)
+    return report
+
+
+def tensor_digest(tensor: Optional[torch.Tensor]) -> int:
+    """A 64-bit digest (signed, as int64 holds it) of a tensor's bytes; equal iff the bytes are, but for collisions.
+
+    Args:
+        tensor: any tensor (a sparse one is made dense, a DTensor its local
+            shard, a GPU tensor copied to the host), or None.
+    """
+    if tensor is None:
+        return _NO_TENSOR
+    flat = _host_bytes(tensor)
+    num_bytes = flat.numel()
+    if num_bytes == 0:
+        return _digest_bytes(b"")
+    # the tensor's own memory, no copy: `flat` is alive and contiguous while hashed
+    view = (ctypes.c_char * num_bytes).from_address(flat.data_ptr())
+    return _digest_bytes(memoryview(view))
+
+
+def _digest_bytes(data: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor: its shard on this rank
+    tensor = to_local() if callable(to_local) else tensor
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
+
+
+def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return _local(tensor.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _entries(model: nn.Module, plan: Any, *, grads: bool, buffers: bool) -> list[_Entry]:
+    entries = [
+        _Entry("parameter", name, p, tuple(p.shape), p.dtype)
+        for name, p in zip(plan.candidate_names, plan.candidates, strict=True)
+    ]
+    if buffers:
+        names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
+        for value in plan.buffer_values():
+            entries.append(_Entry("buffer", names.get(id(value), "<buffer>"), value, tuple(value.shape), value.dtype))
+    if grads:
+        for name, p in zip(plan.names, plan.params, strict=True):
+            entries.append(_Entry("gradient", name, p.grad, tuple(p.shape), p.dtype))
+    return entries
+
+
+def _different_lists(entries: Sequence[_Entry], table: list[list[int]], group: dist.ProcessGroup) -> Mismatch:
+    # The ranks compare different tensors (names, shapes or dtypes): gather the lists to say where.
+    mine = [(e.kind, e.name, e.shape, str(e.dtype)) for e in entries]
+    lists: list[Any] = [None] * len(table)
+    dist.all_gather_object(lists, mine, group=group)
+    reference = _reference_group([row[0] for row in table])
+    ref = min(reference)
+    others = tuple(r for r in range(len(table)) if r not in reference)
+    first = others[0]
+    a, b = lists[first], lists[ref]
+    where = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+    seen = a[where] if where < len(a) else "nothing"
+    expected = b[where] if where < len(b) else "nothing"
+    name = f"entry {where}: rank {first} has {seen}, rank {ref} has {expected}"
+    return Mismatch("tensor list", name, others, ref, float("nan"), 0, 0)
+
+
+def _reference_group(values: Sequence[int]) -> set[int]:
+    # The ranks holding the value most ranks hold; ties go to the group with the lowest rank.
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    largest = max(groups.values(), key=_group_order)
+    return set(largest)
+
+
+def _group_order(ranks: list[int]) -> tuple[int, int]:
+    return len(ranks), -min(ranks)
+
+
+def _explain(
+    entries: Sequence[_Entry],
+    differing: Sequence[int],
+    table: list[list[int]],
+    group: dist.ProcessGroup,
+    device: Optional[torch.device],
+) -> tuple[Mismatch, ...]:
+    # The second, agreed collective: every rank sends the differing tensors'
+    # bytes (zeros for a missing gradient), so every rank builds the same report.
+    pieces = []
+    for i in differing:
+        entry = entries[i]
+        tensor = entry.tensor
+        if tensor is None:
+            pieces.append(torch.zeros(entry.shape, dtype=entry.dtype).reshape(-1).view(torch.uint8))
+        else:
+            pieces.append(_host_bytes(tensor))
+    packed = torch.cat(pieces).to(device) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(packed) for _ in table]
+    dist.all_gather(gathered, packed, group=group)
+    gathered = [t.cpu() for t in gathered]
+    mismatches = []
+    offset = 0
+    for i, piece in zip(differing, pieces, strict=True):
+        entry = entries[i]
+        values = [t[offset : offset + piece.numel()] for t in gathered]
+        offset += piece.numel()
+        mismatches.append(_compare(entry, [row[1 + i] for row in table], values))
+    return tuple(mismatches)
+
+
+def _compare(entry: _Entry, digests: Sequence[int], values: Sequence[torch.Tensor]) -> Mismatch:
+    # values: each rank's bytes of the tensor (uint8).
+    reference = _reference_group(digests)
+    ref = min(reference)
+    others = tuple(r for r in range(len(digests)) if r not in reference)
+    numel = 1
+    for size in entry.shape:
+        numel *= size
+    missing = [r for r in (ref, *others) if digests[r] == _NO_TENSOR]
+    if missing:
+        have = [r for r in (ref, *others) if digests[r] != _NO_TENSOR]
+        note = f"no gradient on rank(s) {_ranks(missing)}, a gradient on rank(s) {_ranks(have)}"
+        return Mismatch(entry.kind, entry.name, others, ref, float("inf"), numel, numel, (), note)
+    element_size = torch.empty((), dtype=entry.dtype).element_size()
+    ref_bytes = values[ref].reshape(numel, element_size)
+    ref_values = _as_float64(values[ref], entry)
+    worst: list[float] = []
+    num_differing, first_index = 0, cast(tuple[int, ...], ())
+    for rank in others:
+        changed = (values[rank].reshape(numel, element_size) != ref_bytes).any(dim=1)
+        num_differing = max(num_differing, int(changed.sum()))
+        if not first_index and entry.shape and bool(changed.any()):
+            flat_index = torch.tensor(int(changed.nonzero()[0, 0]))
+            first_index = tuple(int(v) for v in torch.unravel_index(flat_index, entry.shape))
+        if numel:
+            worst.append(float((_as_float64(values[rank], entry) - ref_values).abs().max()))
+    max_difference = float("nan") if any(w != w for w in worst) else max(worst, default=0.0)
+    return Mismatch(entry.kind, entry.name, others, ref, max_difference, num_differing, numel, first_index)
+
+
+def _as_float64(data: torch.Tensor, entry: _Entry) -> torch.Tensor:
+    # A copy first: a slice of the gathered bytes may sit at an offset the dtype's view refuses.
+    values = data.clone().view(entry.dtype).reshape(entry.shape)
+    return values.to(torch.complex128 if values.is_complex() else torch.float64)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
