@@ -21,6 +21,13 @@ failed worker group is restarted and carries on from there:
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torch 2.13's torchrun keeps one
 store across restarts, and a restarted group can read the failed group's
 stale addresses; pytorch/pytorch#135712.)
+
+Seeing inside the steps: ``--trace PATH`` records every rank's per-bucket
+timeline into one Chrome trace file (open it in https://ui.perfetto.dev) and
+a plot next to it; ``--summary-every N`` logs step time, exposed
+communication and the slowest rank every N steps; ``--verify-every K``
+checks every K steps that the replicas are bitwise identical (and the run
+ends with that check).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import copy
 import hashlib
 import importlib
 import io
+import logging
 import os
 import re
 from typing import Any, Optional
@@ -42,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import torchreplicate
 from torchreplicate import replicate
 
 CONTEXT = 8  # characters the model sees to predict the next one
@@ -137,10 +146,21 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="save every K steps (0: never)")
     parser.add_argument("--fail-at", help="RANK:STEP: that rank's process dies at that step (tests)")
     parser.add_argument("--save-final", help="rank 0 writes the final state_dict here (torch.save)")
+    parser.add_argument("--trace", help="write every rank's per-bucket timeline here (Chrome trace JSON) and a plot")
+    parser.add_argument("--summary-every", type=int, default=0, help="log a summary across ranks every N steps")
+    parser.add_argument("--verify-every", type=int, default=0, help="check the replicas bitwise every K steps")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25,
+        help="gradient bucket size (the demo uses small ones: several buckets)",
+    )
     options = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:  # the summary's lines (logger "torchreplicate")
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
     inputs, targets, vocab = corpus()
     if options.batch % world_size:
@@ -149,7 +169,7 @@ def main() -> None:
 
     torch.manual_seed(rank)  # different on each rank: replicate() broadcasts rank 0's
     model = CharModel(vocab)
-    replicate(model)
+    replicate(model, bucket_cap_mb=options.bucket_cap_mb, first_bucket_cap_mb=min(1, options.bucket_cap_mb))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss_fn = nn.CrossEntropyLoss()
     start = 0
@@ -161,20 +181,28 @@ def main() -> None:
     initial = copy.deepcopy(model.state_dict())  # where this run starts: the reference replays from here
     initial_optim = copy.deepcopy(optimizer.state_dict())
 
-    for step, index in enumerate(batches(len(inputs), options.steps, options.batch, start), start):
-        fail_here(options.fail_at, rank, step)
-        mine = index[rank * per_rank : (rank + 1) * per_rank]
-        loss = loss_fn(model(inputs[mine]), targets[mine])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if options.checkpoint_dir and options.save_every and (step + 1) % options.save_every == 0:
-            save_checkpoint(options.checkpoint_dir, step + 1, model, optimizer)
-        if step % 50 == 0 or step == options.steps - 1:
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            if rank == 0:
-                print(f"step {step:4d}  loss {mean_loss.item() / world_size:.3f}", flush=True)
+    with contextlib.ExitStack() as observers:
+        if options.trace:
+            # rank 0 logs where it wrote the files when the block ends
+            observers.enter_context(torchreplicate.trace(options.trace, model=model))
+        if options.summary_every:
+            observers.enter_context(torchreplicate.log_summary(model, every=options.summary_every))
+        for step, index in enumerate(batches(len(inputs), options.steps, options.batch, start), start):
+            fail_here(options.fail_at, rank, step)
+            mine = index[rank * per_rank : (rank + 1) * per_rank]
+            loss = loss_fn(model(inputs[mine]), targets[mine])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if options.checkpoint_dir and options.save_every and (step + 1) % options.save_every == 0:
+                save_checkpoint(options.checkpoint_dir, step + 1, model, optimizer)
+            if options.verify_every and (step + 1) % options.verify_every == 0:
+                torchreplicate.verify_replicas(model)  # raises on every rank, naming what differs
+            if step % 50 == 0 or step == options.steps - 1:
+                mean_loss = loss.detach().clone()
+                dist.all_reduce(mean_loss)
+                if rank == 0:
+                    print(f"step {step:4d}  loss {mean_loss.item() / world_size:.3f}", flush=True)
 
     digests = [None] * world_size
     dist.all_gather_object(digests, weights_digest(model))
@@ -195,6 +223,10 @@ def main() -> None:
         print(f"single-process run on the whole batches: max |difference| = {gap:.2e}  match: {gap < 1e-4}")
         if not same or gap >= 1e-4:
             raise SystemExit("replicas diverged or do not match the single-process run")
+    if options.verify_every:  # the end of the demo: one collective of digests, every tensor bitwise
+        report = torchreplicate.verify_replicas(model)
+        if rank == 0:
+            print(f"replica check: {report.num_tensors} tensors bitwise identical on {report.world_size} ranks")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then trains a small model on 2 local CPU ranks.
+# Sets up .venv if needed, then trains a small model on 2 local CPU ranks,
+# in small gradient buckets (several per step), tracing every step (the trace
+# and its plot go to $TRACE, printed at the end), logging a summary across
+# ranks every 100 steps and checking the replicas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m torchreplicate.launcher --nproc-per-node 2 --timeout 600 examples/train.py "$@"
+TRACE=${TRACE:-${TMPDIR:-/tmp}/torchreplicate-demo/trace.json}
+exec .venv/bin/python -m torchreplicate.launcher --nproc-per-node 2 --timeout 600 examples/train.py \
+  --bucket-cap-mb 0.04 --trace "$TRACE" --summary-every 100 --verify-every 100 "$@"

@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -24,6 +27,7 @@ from torchreplicate.summary import summarize
 from torchreplicate.timeline import StepRecorder
 from torchreplicate.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
 
+ROOT = Path(__file__).resolve().parent.parent
 DIM = 8
 TINY = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001}  # about one Linear per bucket
 
@@ -285,3 +289,19 @@ def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
 def test_world_size_one_traces_forwards_only(pools, tmp_path):
     (result,) = pools.run(1, traced_alone, str(tmp_path))
     assert result == SingleResult(0, ["forward", "forward"]), result
+
+
+def test_the_example_traces_summarises_and_checks(tmp_path):
+    path = tmp_path / "demo" / "trace.json"
+    command = [sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py"]
+    command += ["--steps", "20", "--bucket-cap-mb", "0.04", "--trace", str(path)]
+    command += ["--summary-every", "10", "--verify-every", "10"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("replica check: 7 tensors bitwise identical on 2 ranks"), done.stdout
+    assert "steps 0-9 on 2 rank(s)" in done.stderr and "steps 10-19 on 2 rank(s)" in done.stderr, done.stderr
+    assert f"{path} and {path.with_suffix('.png')}" in done.stderr, done.stderr
+    with open(path) as file:
+        events = json.load(file)["traceEvents"]
+    assert sum(e["name"] == "backward" for e in events) == 2 * 20
+    assert {e["name"] for e in events} >= {"bucket 0 reduce", "bucket 1 reduce"}
