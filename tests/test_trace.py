@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import torchreplicate
-from dynamic_cases import Reused, reused_growing
 from parity import seeded
+from test_dynamic_graphs import Reused, reused_growing
 from torchreplicate import replicate
 from torchreplicate.summary import summarize
 from torchreplicate.timeline import StepRecorder
