@@ -63,7 +63,6 @@ theirs. Processes left in a host are killed when the net closes.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import enum
@@ -90,7 +89,7 @@ MIN_BURST_BYTES = 32 * 1024
 _NAME_PREFIX = "trh"  # torchreplicate hosts: trh<pid namespace>-<pid>-<token>-<h0|h1|...|hub|probe>
 _STALE_NAME = re.compile(rf"^{_NAME_PREFIX}(?P<pidns>\d+)-(?P<pid>\d+)-[0-9a-f]+-(?:h\d+|hub|probe)$")
 _COMMAND_TIMEOUT_S = 10.0  # any one `ip` or `tc` call
-_KILL_GRACE_S = 3.0  # SIGTERM first, then SIGKILL after this
+KILL_GRACE_S = 3.0  # SIGTERM first, then SIGKILL after this (the command line waits as long)
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", re.IGNORECASE)
 _RATE_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # SI, as tc reads them
 _DELAY = re.compile(r"\d+(?:\.\d+)?(?:us|ms|s)")
@@ -245,10 +244,10 @@ class HostNet:
                 _kill_processes_in(namespace)
             for process in self._processes:  # reap them: killed above, or exited before
                 try:
-                    process.wait(timeout=_KILL_GRACE_S)
+                    process.wait(timeout=KILL_GRACE_S)
                 except subprocess.TimeoutExpired:
                     process.kill()
-                    process.wait(timeout=_KILL_GRACE_S)
+                    process.wait(timeout=KILL_GRACE_S)
             for namespace in reversed(self._created):
                 _try(["ip", "netns", "delete", namespace])
             self._created.clear()
@@ -420,7 +419,7 @@ def remove_stale() -> list[str]:
 
 
 def _kill_processes_in(namespace: str) -> None:
-    """SIGTERM to every process in ``namespace``, SIGKILL to any left after ``_KILL_GRACE_S``."""
+    """SIGTERM to every process in ``namespace``, SIGKILL to any left after ``KILL_GRACE_S``."""
     for signum in (signal.SIGTERM, signal.SIGKILL):
         pids = _pids_in(namespace)
         for pid in pids:
@@ -428,7 +427,7 @@ def _kill_processes_in(namespace: str) -> None:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + _KILL_GRACE_S
+        deadline = time.monotonic() + KILL_GRACE_S
         while pids and time.monotonic() < deadline:
             time.sleep(0.05)
             pids = _pids_in(namespace)
@@ -495,97 +494,7 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through `with HostNet()`, which tears down
 
 
-def _forward_lines(prefix: str, source: IO[bytes]) -> None:
-    for line in iter(source.readline, b""):
-        sys.stdout.buffer.write(prefix.encode() + line)
-        sys.stdout.buffer.flush()
+if __name__ == "__main__":  # python -m torchreplicate.hostnet: the command line is in hostnet_cli.py
+    from torchreplicate.hostnet_cli import main
 
-
-def _exit_status(code: int) -> int:
-    return code if code >= 0 else 128 - code  # -N: killed by signal N, as a shell reports it
-
-
-def _run_shell(net: HostNet, timeout_s: float) -> int:
-    print("host 0's shell; leave it to delete the hosts", file=sys.stderr)
-    shell = net.run(0, [os.environ.get("SHELL", "/bin/sh")], env=net.env(0))
-    try:
-        return _exit_status(shell.wait(timeout=timeout_s))
-    except subprocess.TimeoutExpired:
-        return 124
-
-
-def _run_everywhere(net: HostNet, command: Sequence[str], timeout_s: float) -> int:
-    """Runs ``command`` in every host, output prefixed ``[hostI]``; the first failure's status, 0, or 124."""
-    processes = [
-        net.run(host.index, command, env=net.env(host.index), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for host in net.hosts
-    ]
-    forwarders = [
-        threading.Thread(target=_forward_lines, args=(f"[host{i}] ", process.stdout), daemon=True)
-        for i, process in enumerate(processes)
-    ]
-    for forwarder in forwarders:
-        forwarder.start()
-    # Until all exit, one fails (the others would wait for it), or the time is up.
-    status = 124
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        codes = [process.poll() for process in processes]
-        failures = [code for code in codes if code]
-        if failures or all(code == 0 for code in codes):
-            status = _exit_status(failures[0]) if failures else 0
-            break
-        time.sleep(0.1)
-    else:
-        print(f"hostnet: timed out after {timeout_s:.0f} s; killing every host's processes", file=sys.stderr)
-    net.close()  # kills what is left, which ends the output
-    for forwarder in forwarders:
-        forwarder.join(timeout=_KILL_GRACE_S)
-    return status
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI: ``python -m torchreplicate.hostnet [--hosts N] [--rate R] (shell | -- COMMAND ...)``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.hostnet",
-        description="Run COMMAND in each of N hosts (network namespaces joined by rate-limited links), "
-        "then delete them. Each host gets the variables of HostNet.env(i), so one torchrun line fits all: "
-        "torchrun --nnodes N ... --rdzv-backend c10d --rdzv-endpoint 10.213.7.1:29500 --rdzv-id JOB train.py",
-    )
-    parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
-    parser.add_argument("--rate", default="1gbit", help="link rate in tc's notation, or 'none' (default 1gbit)")
-    parser.add_argument("--delay", default=None, help="one-way delay, e.g. 5ms (needs netem; default none)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="'shell', or '-- COMMAND ARGS' for every host")
-    options = parser.parse_args(argv)
-    command = options.command[1:] if options.command[:1] == ["--"] else options.command
-    if not command:
-        parser.error("give 'shell' or '-- COMMAND ARGS'")
-    try:
-        net = HostNet(
-            num_hosts=options.hosts, rate=None if options.rate == "none" else options.rate, delay=options.delay
-        )
-    except ValueError as error:
-        parser.error(str(error))
-    try:
-        net.start()
-    except RuntimeError as error:
-        print(f"hostnet: {error}", file=sys.stderr)
-        return 1
-    try:
-        for host in net.hosts:
-            variables = " ".join(f"{key}={value}" for key, value in net.env(host.index).items())
-            print(
-                f"host {host.index}: {host.address} on {host.interface}; a shell there: "
-                f"ip netns exec {host.namespace} env {variables} bash",
-                file=sys.stderr,
-            )
-        return (
-            _run_shell(net, options.timeout) if command == ["shell"] else _run_everywhere(net, command, options.timeout)
-        )
-    finally:
-        net.close()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
