@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import queue
+import signal
+import subprocess
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from torchreplicate.launcher import die_with_parent, free_port
 
@@ -142,3 +145,34 @@ class Pools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def run_command(
+    command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    """Runs a command from the repository root in its own session; on timeout kills the whole session.
+
+    Args:
+        command: the command line.
+        env: variables to add to this process's environment.
+        timeout: seconds before every process of the session is killed (then TimeoutExpired).
+    """
+    process = subprocess.Popen(
+        list(command),
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)

@@ -2,8 +2,6 @@
 
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import time
 from typing import NamedTuple
@@ -12,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import run_command
 from torchreplicate.launcher import WorkerError, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,18 +80,7 @@ def test_bad_nprocs():
 
 
 def _run(command, timeout=180):
-    """Runs a command in its own session; on timeout kills the whole session."""
-    env = dict(os.environ, PYTHONPATH=TESTS)
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_command(command, env={"PYTHONPATH": TESTS}, timeout=timeout)
 
 
 def test_command_line_runs_the_example():

@@ -9,12 +9,13 @@ rounding (the global batches are the same; only the reduction order moves).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from harness import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -22,20 +23,9 @@ STEPS = "30"
 
 
 def _run(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    """Runs a command in its own session; on timeout kills the whole session."""
     # torch 2.13's torchrun keeps one store across restarts: a restarted group
     # can read the failed group's stale addresses (pytorch/pytorch#135712)
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_command(command, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, timeout=timeout)
 
 
 def _train(nprocs: int, *extra: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
