@@ -152,8 +152,8 @@ def main() -> None:
     parser.add_argument(
         "--bucket-cap-mb",
         type=float,
-        default=25,
-        help="gradient bucket size (the demo uses small ones: several buckets)",
+        default=None,
+        help="gradient bucket size in MiB (default: measured and chosen by replicate(); the demo pins small ones)",
     )
     options = parser.parse_args()
 
@@ -169,7 +169,8 @@ def main() -> None:
 
     torch.manual_seed(rank)  # different on each rank: replicate() broadcasts rank 0's
     model = CharModel(vocab)
-    replicate(model, bucket_cap_mb=options.bucket_cap_mb, first_bucket_cap_mb=min(1, options.bucket_cap_mb))
+    cap = options.bucket_cap_mb
+    replicate(model, bucket_cap_mb=cap, first_bucket_cap_mb=1 if cap is None else min(1, cap))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss_fn = nn.CrossEntropyLoss()
     start = 0
