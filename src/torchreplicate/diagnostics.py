@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 if TYPE_CHECKING:
@@ -137,3 +138,25 @@ def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
         f"{tuple(slot.param.shape)} on {buffer.device}. Convert the whole replicated model "
         "(model.to(...), model.double(), ...: replicate() re-plans) or convert before replicate()"
     )
+
+
+def warn_create_graph() -> None:
+    """Warns that backward(create_graph=True) averages values, not graphs (once per process: one call site)."""
+    warnings.warn(
+        "replicate(): backward(create_graph=True): each .grad holds the average over ranks, "
+        "without the graph of the local gradient (as DDP); higher-order terms through .grad "
+        "are not averaged. torch.autograd.grad(..., create_graph=True) is unaffected",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def raise_with_place(error: Exception, where: str) -> None:
+    """Re-raises a comm hook's protocol error prefixed with where it happened.
+
+    Only plain TypeError and ValueError are rebuilt: a subclass may not take a
+    single message argument, so it is re-raised as it is.
+    """
+    if type(error) in (TypeError, ValueError):
+        raise type(error)(f"{where}: {error}") from None
+    raise error

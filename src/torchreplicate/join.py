@@ -38,8 +38,10 @@ from torch.distributed.algorithms.join import JoinHook
 
 from torchreplicate.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.dtensors import local
+from torchreplicate.flags import num_flags
 
 if TYPE_CHECKING:
+    from torchreplicate.reducer import Reducer
     from torchreplicate.state import ReplicateState
 
 
@@ -89,7 +91,7 @@ class ReplicateJoinHook(JoinHook):
         verdict = join_round(state, training=False)
         state.broadcast_buffers_from(verdict.source)
         if verdict.sync and state.reducer is not None:
-            state.reducer.shadow_step()
+            shadow_backward(state.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters and buffers of the last rank to join."""
@@ -101,3 +103,15 @@ class ReplicateJoinHook(JoinHook):
         if tensors:
             broadcast_coalesced(tensors, group, src_rank=int(mark.item()))
         state.end_join()
+
+
+@torch.no_grad()
+def shadow_backward(reducer: Reducer) -> None:
+    """A joined rank's part of one synchronised backward: the same collectives, zeros."""
+    sums = reducer.reduction.shadow(reducer.buckets, num_flags(len(reducer.slots)))
+    if sums[len(reducer.slots)].item() > 0:  # a late round somewhere
+        for bucket in reducer.buckets:
+            all_reduce(torch.zeros_like(bucket.grads), reducer.group, reducer.timeout)
+    reducer.sparse.shadow(reducer.group, reducer.timeout)
+    if reducer.layout_policy.pending:  # the ranks still training tune after their first step: so here
+        reducer.tune(())

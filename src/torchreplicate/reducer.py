@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import warnings
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -63,7 +62,14 @@ from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
-from torchreplicate.diagnostics import DesyncReport, changed_since_plan, format_desync, refuse_foreign_hooks
+from torchreplicate.diagnostics import (
+    DesyncReport,
+    changed_since_plan,
+    format_desync,
+    raise_with_place,
+    refuse_foreign_hooks,
+    warn_create_graph,
+)
 from torchreplicate.dtensors import local
 from torchreplicate.events import StepEvents
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
@@ -73,7 +79,7 @@ from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.torch_internals import queue_end_of_backward_callback
-from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, agree_order, choose_cap, measure_link, readiness_order
+from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, learn_layout
 from torchreplicate.watchdog import StallWatch
 
 
@@ -273,7 +279,7 @@ class Reducer:
             raise changed_since_plan(slot, grad)
         if torch.is_grad_enabled():
             # backward(create_graph=True): the average cannot keep the graph
-            _warn_create_graph()
+            warn_create_graph()
             with torch.no_grad():
                 return self._take(slot)
         self._take(slot)
@@ -349,7 +355,7 @@ class Reducer:
         try:
             self.reduction.launch(bucket)
         except (TypeError, ValueError) as error:
-            _raise_with_place(error, self._where(bucket))
+            raise_with_place(error, self._where(bucket))
 
     def _where(self, bucket: Bucket) -> str:
         # Rank, step and parameters, for errors a user must trace to a layer.
@@ -414,7 +420,7 @@ class Reducer:
         self._learn(step)
         self.num_steps += 1
         if self.layout_policy.pending:
-            self._tune(step)
+            self.tune(step.first_ready)
         if watch is not None:
             watch.at("user code after the backward", self.num_steps)
         if events is not None:
@@ -425,24 +431,20 @@ class Reducer:
                     optimizer.step()
                 slot.param.grad = None  # as torch's optimizer-in-backward leaves it
 
-    def _tune(self, step: StepState) -> None:
-        # The end of the first synchronised step, on every rank: launch order,
-        # bucket cap, then the new layout ([Note: tuning] in tuning.py).
+    def tune(self, first_ready: Sequence[int]) -> None:
+        """Learns the launch order and bucket cap, then rebuilds the buckets ([Note: tuning] in tuning.py).
+
+        Called on every rank at the same point: the end of the first
+        synchronised backward (or its shadow, for a rank that joined).
+
+        Args:
+            first_ready: slot indices in the order they first got a gradient here.
+        """
         policy = self.layout_policy
-        policy.pending = False
-        if not policy.dense:
-            return
-        group, device = self.group, self.buckets[-1].buffer.device
-        position = {slot.index: i for i, slot in enumerate(policy.dense)}
-        ready = [position[i] for i in step.first_ready if i in position]
-        policy.order = agree_order(readiness_order(ready, len(policy.dense)), group, device)
-        if policy.tune_cap:
-            policy.link = measure_link(group, self.buckets[0].buffer.dtype, device)
-            policy.cap_bytes = choose_cap(policy.link)
-            policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
-        self.buckets = self._build_buckets(policy)
-        self.layout.adopt(policy.dense)  # .grad moves from the old buckets into the new
-        self.flags = self._bind(self.reduction, self.flags.clock)
+        if learn_layout(policy, first_ready, self.group, self.buckets[-1].buffer):
+            self.buckets = self._build_buckets(policy)
+            self.layout.adopt(policy.dense)  # .grad moves from the old buckets into the new
+            self.flags = self._bind(self.reduction, self.flags.clock)
 
     def _raise_desync(self, sums: FlagSums) -> None:
         # Every rank read the same sums, so every rank is here: one more agreed
@@ -458,18 +460,7 @@ class Reducer:
         try:
             self.reduction.wait(bucket)
         except (TypeError, ValueError) as error:
-            _raise_with_place(error, self._where(bucket))
-
-    @torch.no_grad()
-    def shadow_step(self) -> None:
-        """A joined rank's part of one synchronised backward ([Note: join] in join.py): zeros."""
-        sums = self.reduction.shadow(self.buckets, num_flags(len(self.slots)))
-        if sums[len(self.slots)].item() > 0:  # a late round somewhere
-            for bucket in self.buckets:
-                all_reduce(torch.zeros_like(bucket.grads), self.group, self.timeout)
-        self.sparse.shadow(self.group, self.timeout)
-        if self.layout_policy.pending:  # the ranks still training tune after their first step: so here
-            self._tune(StepState(len(self.slots)))
+            raise_with_place(error, self._where(bucket))
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
@@ -520,22 +511,3 @@ class Reducer:
                 changed.add(slot.bucket.index)
         for index in changed:
             self.buckets[index].relearn()
-
-
-def _warn_create_graph() -> None:
-    # Python's default filter shows it once per process (one call site).
-    warnings.warn(
-        "replicate(): backward(create_graph=True): each .grad holds the average over ranks, "
-        "without the graph of the local gradient (as DDP); higher-order terms through .grad "
-        "are not averaged. torch.autograd.grad(..., create_graph=True) is unaffected",
-        UserWarning,
-        stacklevel=2,
-    )
-
-
-def _raise_with_place(error: Exception, where: str) -> None:
-    # A comm hook's protocol error, prefixed with where it happened. Only the
-    # plain types: a subclass may not take a single message argument.
-    if type(error) in (TypeError, ValueError):
-        raise type(error)(f"{where}: {error}") from None
-    raise error

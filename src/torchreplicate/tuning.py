@@ -136,3 +136,27 @@ class LayoutPolicy:
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
         self.link: Optional[LinkModel] = None  # the fitted link, when measured
+
+
+def learn_layout(
+    policy: LayoutPolicy, first_ready: Sequence[int], group: dist.ProcessGroup, like: torch.Tensor
+) -> bool:
+    """Fills ``policy`` with the agreed launch order and, when tuned, the cap; whether to rebuild.
+
+    Args:
+        policy: the reducer's layout policy (its ``pending`` learning is done after this).
+        first_ready: slot indices in the order they first got a gradient on this rank.
+        group: the process group (the agreement collectives run on it).
+        like: a tensor on the device and of the dtype the buckets use.
+    """
+    policy.pending = False
+    if not policy.dense:
+        return False
+    position = {slot.index: i for i, slot in enumerate(policy.dense)}
+    ready = [position[i] for i in first_ready if i in position]
+    policy.order = agree_order(readiness_order(ready, len(policy.dense)), group, like.device)
+    if policy.tune_cap:
+        policy.link = measure_link(group, like.dtype, like.device)
+        policy.cap_bytes = choose_cap(policy.link)
+        policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
+    return True
