@@ -252,23 +252,7 @@ def replicate(
         TypeError / ValueError: an option has a bad value (the message names
             the option, the value and the fix).
     """
-    if isinstance(module, (list, tuple)):
-        raise TypeError(
-            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
-            "replicate each block and then their common parent (nested replicate: one collective "
-            "sequence, buckets that follow the blocks)"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
-    outer = enclosing_state(module)
-    if outer is not None:
-        raise RuntimeError(
-            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
-            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
-            "enclosing module (nested replicate, as torchtitan does)"
-        )
-    if is_fully_sharded(module):
-        raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
+    _refuse_unsupported(module)
     device = to_device(device_id)
     if mesh is not None and device_mesh is not None:
         raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
@@ -307,3 +291,25 @@ def replicate(
 
 
 replicate.state = get_state  # type: ignore[attr-defined]
+
+
+def _refuse_unsupported(module: object) -> None:
+    # What replicate() is not applied to: not a module, a list, a module
+    # inside a replicated one, a module fully_shard manages.
+    if isinstance(module, (list, tuple)):
+        raise TypeError(
+            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
+            "replicate each block and then their common parent (nested replicate: one collective "
+            "sequence, buckets that follow the blocks)"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    outer = enclosing_state(module)
+    if outer is not None:
+        raise RuntimeError(
+            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
+            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
+            "enclosing module (nested replicate, as torchtitan does)"
+        )
+    if is_fully_sharded(module):
+        raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")

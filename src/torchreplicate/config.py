@@ -53,12 +53,23 @@ class ReplicateConfig:
         return value.total_seconds() if isinstance(value, timedelta) else value
 
     def __post_init__(self) -> None:
+        self._check_switches()
+        self._check_sizes()
+        self._check_precision()
+
+    def _check_switches(self) -> None:
         for module in self.ignored_modules:
             if not isinstance(module, nn.Module):
                 raise TypeError(
                     "replicate(): ignored_modules must hold nn.Module objects, got "
                     f"{type(module).__name__}; pass e.g. ignored_modules=[model.head]"
                 )
+        for option in ("gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "static_graph"):
+            value = getattr(self, option)
+            if not isinstance(value, bool):
+                raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
+
+    def _check_sizes(self) -> None:
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
             if option == "bucket_cap_mb" and value is None:
@@ -66,12 +77,19 @@ class ReplicateConfig:
             if not _is_positive_finite(value):
                 raise ValueError(
                     f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
-                    "finite value, e.g. 25 (the default; a cap above the model's size gives one bucket)"
+                    "finite value, e.g. 25 (a cap above the model's size gives one bucket), or leave "
+                    "bucket_cap_mb=None: the reducer measures the link and chooses"
                 )
-        for option in ("gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "static_graph"):
-            value = getattr(self, option)
-            if not isinstance(value, bool):
-                raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
+        stall = self.stall_timeout
+        seconds = stall.total_seconds() if isinstance(stall, timedelta) else stall
+        if stall is not None and not _is_positive_finite(seconds):
+            raise ValueError(
+                "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
+                f"(None turns the watchdog off), got {stall!r}; e.g. stall_timeout=300 for steps that "
+                "may wait minutes for one rank (checkpointing on rank 0)"
+            )
+
+    def _check_precision(self) -> None:
         if self.reduce_dtype is not None and (
             not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point
         ):
@@ -86,14 +104,6 @@ class ReplicateConfig:
                     f"replicate(): reduce_dtype={self.reduce_dtype} and mp_policy (gradients reduced in "
                     f"{policy_wire}) disagree; set the policy's reduce_dtype and drop replicate(reduce_dtype=...)"
                 )
-        stall = self.stall_timeout
-        seconds = stall.total_seconds() if isinstance(stall, timedelta) else stall
-        if stall is not None and not _is_positive_finite(seconds):
-            raise ValueError(
-                "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
-                f"(None turns the watchdog off), got {stall!r}; e.g. stall_timeout=300 for steps that "
-                "may wait minutes for one rank (checkpointing on rank 0)"
-            )
         factor = self.gradient_divide_factor
         if factor is not None and not _is_positive_finite(factor):
             raise ValueError(

@@ -383,37 +383,11 @@ class Reducer:
 
     def _finish_step(self, step: StepState) -> None:
         num_early = step.num_launched  # launched from hooks, .grad detached
-        events = self.events
-        if events is not None:
-            events.finalize(self.num_steps)
-        unused_here = self.sparse.unused_here()
-        for bucket in self.buckets[num_early:]:
-            for slot in bucket.slots:
-                if not self.layout.fill(slot, step, self.reduction):
-                    unused_here.append(slot.index)
-            if bucket is self.buckets[-1]:
-                self.flags.write(unused_here, step.late)
-            self._launch(bucket, step)
-            if events is not None:
-                events.launch(bucket.index, False)
-        watch = self.watch
-        for bucket in self.buckets:
-            if watch is not None:
-                watch.at(f"bucket {bucket.index} ({bucket.describe()})", self.num_steps)
-            if events is not None:
-                events.waiting(bucket.index)
-            self._wait(bucket)
-            if events is not None:
-                events.done(bucket.index)
-        if watch is not None:
-            watch.at("the flags' all-reduce", self.num_steps)
-        self.reduction.reduce_flags()
-        sums = self.flags.read(unused_here)
-        if not (sums.clocks_agree and sums.layouts_agree):
-            self._raise_desync(sums)
+        sums = self._reduce_rest(step)
         late_grads = self.layout.restore(self.buckets, step, sums, num_early)
         if sums.any_late:
             self._reduce_late(late_grads)
+        watch, events = self.watch, self.events
         if watch is not None and self.sparse.slots:
             watch.at("sparse gradients", self.num_steps)
         self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere, self.timeout)
@@ -430,6 +404,38 @@ class Reducer:
                 for optimizer in slot.optimizers:
                     optimizer.step()
                 slot.param.grad = None  # as torch's optimizer-in-backward leaves it
+
+    def _reduce_rest(self, step: StepState) -> FlagSums:
+        # Launches every bucket the hooks did not (the last with the flags),
+        # waits for all, and returns what the summed flags say.
+        events, watch = self.events, self.watch
+        if events is not None:
+            events.finalize(self.num_steps)
+        unused_here = self.sparse.unused_here()
+        for bucket in self.buckets[step.num_launched :]:
+            for slot in bucket.slots:
+                if not self.layout.fill(slot, step, self.reduction):
+                    unused_here.append(slot.index)
+            if bucket is self.buckets[-1]:
+                self.flags.write(unused_here, step.late)
+            self._launch(bucket, step)
+            if events is not None:
+                events.launch(bucket.index, False)
+        for bucket in self.buckets:
+            if watch is not None:
+                watch.at(f"bucket {bucket.index} ({bucket.describe()})", self.num_steps)
+            if events is not None:
+                events.waiting(bucket.index)
+            self._wait(bucket)
+            if events is not None:
+                events.done(bucket.index)
+        if watch is not None:
+            watch.at("the flags' all-reduce", self.num_steps)
+        self.reduction.reduce_flags()
+        sums = self.flags.read(unused_here)
+        if not (sums.clocks_agree and sums.layouts_agree):
+            self._raise_desync(sums)
+        return sums
 
     def tune(self, first_ready: Sequence[int]) -> None:
         """Learns the launch order and bucket cap, then rebuilds the buckets ([Note: tuning] in tuning.py).

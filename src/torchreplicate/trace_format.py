@@ -93,25 +93,45 @@ def rank_events(
             with, in step order.
         forwards: its forward spans.
     """
+    spans = _Spans(rank, t0_ns)
+    events = _row_names(rank, records, layouts)
+    for forward in forwards:
+        name = "forward" if forward.grad_enabled else "forward (no grad)"
+        events.append(spans.span(name, "forward", STEP_ROW, forward.start_ns, forward.end_ns))
+    for record in records:
+        events += _step_events(spans, record, _layout_of(record.step, layouts))
+    return events
 
-    def us(ns: int) -> float:
-        return (ns - t0_ns) / 1000.0
 
-    def span(name: str, cat: str, tid: int, start_ns: int, end_ns: int, **args: Any) -> dict[str, Any]:
+class _Spans:
+    # Complete ("X") events of one rank, in microseconds from its t0.
+    def __init__(self, rank: int, t0_ns: int) -> None:
+        self.rank = rank
+        self.t0_ns = t0_ns
+
+    def us(self, ns: int) -> float:
+        return (ns - self.t0_ns) / 1000.0
+
+    def span(self, name: str, cat: str, tid: int, start_ns: int, end_ns: int, **args: Any) -> dict[str, Any]:
         return {
             "name": name,
             "cat": cat,
             "ph": "X",
-            "pid": rank,
+            "pid": self.rank,
             "tid": tid,
-            "ts": us(start_ns),
+            "ts": self.us(start_ns),
             "dur": max(0, end_ns - start_ns) / 1000.0,
             "args": args,
         }
 
+
+def _row_names(
+    rank: int, records: Sequence[StepRecord], layouts: Sequence[tuple[int, Sequence[BucketInfo]]]
+) -> list[dict[str, Any]]:
+    # The process row and one row per bucket, named after the newest layout.
     num_buckets = max((len(buckets) for _, buckets in layouts), default=0)
     num_buckets = max([num_buckets] + [len(r.buckets) for r in records])
-    latest = {b.index: b for _, buckets in layouts for b in buckets}  # the newest layout's names
+    latest = {b.index: b for _, buckets in layouts for b in buckets}
     events: list[dict[str, Any]] = [
         _meta(rank, None, "process_name", {"name": f"rank {rank}"}),
         _meta(rank, None, "process_sort_index", {"sort_index": rank}),
@@ -123,50 +143,53 @@ def rank_events(
         title = f"bucket {k}" + (f": {info.describe()}" if info is not None and info.names else "")
         events.append(_meta(rank, 1 + k, "thread_name", {"name": title}))
         events.append(_meta(rank, 1 + k, "thread_sort_index", {"sort_index": 1 + k}))
-    for forward in forwards:
-        name = "forward" if forward.grad_enabled else "forward (no grad)"
-        events.append(span(name, "forward", STEP_ROW, forward.start_ns, forward.end_ns))
-    for record in records:
-        layout = _layout_of(record.step, layouts)
-        step = record.step
-        if record.replan_ns is not None:
-            replan = {"name": "re-plan", "cat": "step", "ph": "i", "s": "p", "pid": rank, "tid": STEP_ROW}
-            events.append({**replan, "ts": us(record.replan_ns), "args": {"step": step}})
-        exposed_ms = record.exposed_ns / 1e6
-        events.append(
-            span(
-                "backward",
-                "step",
-                STEP_ROW,
-                record.backward_ns,
-                record.end_ns,
-                step=step,
-                wire_bytes=record.wire_bytes,
-                exposed_ms=round(exposed_ms, 6),
-            )
+    return events
+
+
+def _step_events(spans: _Spans, record: StepRecord, layout: dict[int, BucketInfo]) -> list[dict[str, Any]]:
+    # One synchronised step: its rows on the step line, then each bucket's.
+    step = record.step
+    events: list[dict[str, Any]] = []
+    if record.replan_ns is not None:
+        replan = {"name": "re-plan", "cat": "step", "ph": "i", "s": "p", "pid": spans.rank, "tid": STEP_ROW}
+        events.append({**replan, "ts": spans.us(record.replan_ns), "args": {"step": step}})
+    exposed_ms = round(record.exposed_ns / 1e6, 6)
+    events.append(
+        spans.span(
+            "backward",
+            "step",
+            STEP_ROW,
+            record.backward_ns,
+            record.end_ns,
+            step=step,
+            wire_bytes=record.wire_bytes,
+            exposed_ms=exposed_ms,
         )
-        events.append(span("end of backward", "step", STEP_ROW, record.finalize_ns, record.end_ns, step=step))
-        for bucket in record.buckets:
-            events.append(
-                span(f"wait bucket {bucket.index}", "exposed", STEP_ROW, bucket.wait_ns, bucket.done_ns, step=step)
-            )
-        for start_ns, end_ns in record.late_rounds:
-            events.append(span("late round", "exposed", STEP_ROW, start_ns, end_ns, step=step))
-        for bucket in record.buckets:
-            tid = 1 + bucket.index
-            info = layout.get(bucket.index)
-            if bucket.first_grad_ns is not None and bucket.first_grad_ns <= bucket.ready_ns:
-                name = f"bucket {bucket.index} gradients"
-                events.append(span(name, "grads", tid, bucket.first_grad_ns, bucket.ready_ns, step=step))
-            args: dict[str, Any] = {
-                "step": step,
-                "launched_from": "gradient hook" if bucket.from_hook else "end of backward",
-                "first_grad_us": None if bucket.first_grad_ns is None else us(bucket.first_grad_ns),
-                "ready_us": us(bucket.ready_ns),
-            }
-            if info is not None:
-                args.update(bytes=info.nbytes, numel=info.numel, params=list(info.names))
-            events.append(span(f"bucket {bucket.index} reduce", "comm", tid, bucket.launch_ns, bucket.done_ns, **args))
+    )
+    events.append(spans.span("end of backward", "step", STEP_ROW, record.finalize_ns, record.end_ns, step=step))
+    for bucket in record.buckets:
+        events.append(
+            spans.span(f"wait bucket {bucket.index}", "exposed", STEP_ROW, bucket.wait_ns, bucket.done_ns, step=step)
+        )
+    for start_ns, end_ns in record.late_rounds:
+        events.append(spans.span("late round", "exposed", STEP_ROW, start_ns, end_ns, step=step))
+    for bucket in record.buckets:
+        tid = 1 + bucket.index
+        if bucket.first_grad_ns is not None and bucket.first_grad_ns <= bucket.ready_ns:
+            name = f"bucket {bucket.index} gradients"
+            events.append(spans.span(name, "grads", tid, bucket.first_grad_ns, bucket.ready_ns, step=step))
+        args: dict[str, Any] = {
+            "step": step,
+            "launched_from": "gradient hook" if bucket.from_hook else "end of backward",
+            "first_grad_us": None if bucket.first_grad_ns is None else spans.us(bucket.first_grad_ns),
+            "ready_us": spans.us(bucket.ready_ns),
+        }
+        info = layout.get(bucket.index)
+        if info is not None:
+            args.update(bytes=info.nbytes, numel=info.numel, params=list(info.names))
+        events.append(
+            spans.span(f"bucket {bucket.index} reduce", "comm", tid, bucket.launch_ns, bucket.done_ns, **args)
+        )
     return events
 
 
