@@ -3,8 +3,12 @@
 - ``models``: the benchmark models and their batches, built alike on every rank;
 - ``engines``: ``Engine``, one model copy wrapped one way with its own optimizer;
 - ``ranks``: starting rank processes (``launch_phase``) and what each does first;
+- ``hosts``: ranks on hosts of their own (``launch_on_hosts``: one process per
+  ``torchreplicate.hostnet`` host, joined by a rate-limited link);
 - ``rounds``: ``run_rounds``, the interleaved timed rounds;
 - ``stats``: summaries, paired per-round ratios, ``aggregate_timing``;
+- ``timeline``: when the phases of a step happen (``trace_steps``, our
+  reducer's step events) and the line-rate schedule of its buckets;
 - ``collectives``: counting collectives and bytes on the wire;
 - ``memory``: the peak-RSS phase;
 - ``breakdown``: our reducer's phases, read from ``torch.profiler`` labels;

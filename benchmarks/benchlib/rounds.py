@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,12 @@ class Steppable(Protocol):
     def step(self, batch: Any) -> None: ...
 
 
-def run_rounds(engines: Mapping[str, Steppable], batch: Any, cfg: Mapping[str, Any]) -> dict:
+def run_rounds(
+    engines: Mapping[str, Steppable],
+    batch: Any,
+    cfg: Mapping[str, Any],
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> dict:
     """Warms up, then times interleaved blocks of K steps of every engine.
 
     Per round, every engine runs a block of K steps after a
@@ -34,6 +39,8 @@ def run_rounds(engines: Mapping[str, Steppable], batch: Any, cfg: Mapping[str, A
         batch: what every step gets.
         cfg: ``warmup``, ``rounds``, ``steps`` (None: from ``block_s``),
             ``block_s``, ``min_steps``.
+        progress: called with (rounds done, K) after every round, e.g. to
+            print progress. Default: none.
 
     Returns:
         What ``benchlib.stats.aggregate_timing`` reads: ``steps_per_block``,
@@ -75,6 +82,8 @@ def run_rounds(engines: Mapping[str, Steppable], batch: Any, cfg: Mapping[str, A
             blocks[kind].append(time.perf_counter() - t_block)
             cpu_blocks[kind].append(time.thread_time() - c_block)
             per_step[kind].append(steps)
+        if progress is not None:
+            progress(r + 1, k)
     return {
         "steps_per_block": k,
         "rounds": cfg["rounds"],
