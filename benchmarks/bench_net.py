@@ -22,7 +22,9 @@ side by side in interleaved rounds (``benchlib.rounds.run_rounds``):
 - ``ours_bf16``: ``replicate(reduce_dtype=torch.bfloat16)``;
 - ``ddp_bf16``: DDP defaults with torch's stock ``bf16_compress_hook``;
 - ``allreduce``: one gloo all-reduce of ``ours``' wire bytes per step and
-  nothing else: what the link and gloo deliver, measured.
+  nothing else: what the link and gloo deliver, measured;
+- with ``--extra-caps 4,8``: ``ours_cap4``, ``ours_cap8``, ``replicate()``
+  with ``bucket_cap_mb`` 4 and 8 (what smaller buckets buy; off by default).
 
 Floors (per model and rate): ``S`` = ``replicate.state(m).reducer.wire_bytes()``,
 the bytes per rank one step hands to all-reduce. A ring all-reduce on 2
@@ -133,8 +135,16 @@ def ddp_bf16_compress_hook(process_group, bucket):
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def build_engines(model_name: str) -> dict[str, Any]:
-    """Every engine of ``ENGINES`` on its own model copy (same init); ``fwd`` shares ``local``'s model."""
+def cap_engine(cap_mb: float) -> str:
+    """The name of the ``ours`` engine with ``bucket_cap_mb=cap_mb``."""
+    return f"ours_cap{cap_mb:g}"
+
+
+def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
+    """Every engine of ``ENGINES`` on its own model copy (same init), then one per extra bucket cap.
+
+    ``fwd`` shares ``local``'s model.
+    """
     engines: dict[str, Any] = {}
     for kind in ("local", "ddp", "ddp_gbv", "ours"):
         engines[kind] = build_engine(kind, model_name)
@@ -148,7 +158,12 @@ def build_engines(model_name: str) -> dict[str, Any]:
     raw = build_model(model_name)
     engines["ours_bf16"] = Engine("ours_bf16", model_name, replicate(raw, reduce_dtype=torch.bfloat16), raw)
     engines["allreduce"] = AllReduceOnly(engines["ours"].reducer.wire_bytes())
-    return {kind: engines[kind] for kind in ENGINES}
+    ordered = {kind: engines[kind] for kind in ENGINES}
+    for cap in extra_caps:
+        torch.manual_seed(0)
+        raw = build_model(model_name)
+        ordered[cap_engine(cap)] = Engine(cap_engine(cap), model_name, replicate(raw, bucket_cap_mb=cap), raw)
+    return ordered
 
 
 # --------------------------------------------------------------------------
@@ -162,7 +177,7 @@ def timing_worker(cfg: dict) -> dict:
     for model_name in cfg["models"]:
         started = time.time()
         batch = make_batch(model_name, rank)
-        engines = build_engines(model_name)
+        engines = build_engines(model_name, cfg["extra_caps"])
         ours = engines["ours"]
         every = max(1, cfg["rounds"] // 4)
 
@@ -183,7 +198,7 @@ def timing_worker(cfg: dict) -> dict:
             "ddp_bf16_payload": sum(p.numel() * 2 for p in ours.raw.parameters()),
         }
         model_out["timeline"] = {}
-        for kind in TRACED:
+        for kind in TRACED + tuple(cap_engine(cap) for cap in cfg["extra_caps"]):
             records = trace_steps(engines[kind], batch, cfg["trace_steps"])
             model_out["timeline"][kind] = summarize_trace(records, bucket_wire_bytes(engines[kind]), rate_bps)
         del engines, ours
@@ -198,10 +213,12 @@ def timing_worker(cfg: dict) -> dict:
 # aggregation (parent)
 
 
-def aggregate(rank_outputs: list[dict], rate: str) -> dict:
+def aggregate(rank_outputs: list[dict], rate: str, extra_caps: list[float]) -> dict:
     """``aggregate_timing`` plus, per model, the floors, the ratios to them and every rank's timeline."""
     rate_bps = parse_rate(rate)
-    models = aggregate_timing(rank_outputs, RATIO_PAIRS)
+    extras = [cap_engine(cap) for cap in extra_caps]
+    pairs = list(RATIO_PAIRS) + [(name, other) for name in extras for other in ("ours", "ddp", "ddp_gbv")]
+    models = aggregate_timing(rank_outputs, pairs)
     for model_name, result in models.items():
         m0 = rank_outputs[0]["models"][model_name]
         engines = result["engines"]
@@ -215,7 +232,7 @@ def aggregate(rank_outputs: list[dict], rate: str) -> dict:
                 "comm_ms": comm_ms,
                 "floor_ms": statistics.median(fwd_rounds) + comm_ms,
             }
-            for kind in ("ours", "ddp", "ddp_gbv") if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
+            for kind in ("ours", "ddp", "ddp_gbv", *extras) if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
                 per = [e / (f + comm_ms) for e, f in zip(engines[kind]["per_round_ms"], fwd_rounds)]
                 result["ratios"][f"{kind}/floor"] = {**summarize(per), "per_round": per}
         result["floors"] = floors
@@ -285,7 +302,7 @@ def markdown_tables(report: dict) -> str:
         rate_bps = m["floors"]["rate_bps"]
         timeline = m["timeline"].get("rank0", {})
         gbv = timeline.get("ddp_gbv", {})
-        for kind in ("ours", "ours_bf16"):
+        for kind in ("ours", "ours_bf16", *(cap_engine(cap) for cap in report["config"]["extra_caps"])):
             t = timeline.get(kind, {})
             if "launch_ms" not in t:
                 continue
@@ -303,7 +320,29 @@ def markdown_tables(report: dict) -> str:
                 f"| {t['step_ms'] - last_done:.1f} "
                 f"| {gbv.get('backward_return_ms', float('nan')):.1f} / {gbv.get('step_ms', float('nan')):.1f} |"
             )
+    if report["config"]["extra_caps"]:
+        lines += [""] + _caps_table(report, rows)
     return "\n".join(lines) + "\n"
+
+
+def _caps_table(report: dict, rows: list[tuple[str, str, dict]]) -> list[str]:
+    lines = [
+        "**Smaller buckets** (ours with `bucket_cap_mb` = N, same rounds; ratios = median of per-round ratios [IQR] (min-max))",
+        "",
+        "| model | rate | engine | buckets | step ms | / ours | / DDP | / DDP-gbv | / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rate, name, m in rows:
+        r = m["ratios"]
+        for cap in report["config"]["extra_caps"]:
+            kind = cap_engine(cap)
+            buckets = m["timeline"].get("rank0", {}).get(kind, {}).get("num_buckets", "?")
+            lines.append(
+                f"| {MODEL_TITLES.get(name, name)} | {rate} | {kind} | {buckets} | {_ms(m['engines'], kind)} "
+                f"| {fmt_ratio(r.get(f'{kind}/ours'))} | {fmt_ratio(r.get(f'{kind}/ddp'))} "
+                f"| {fmt_ratio(r.get(f'{kind}/ddp_gbv'))} | {fmt_ratio(r.get(f'{kind}/floor'))} |"
+            )
+    return lines
 
 
 def _ms(engines: dict, kind: str) -> str:
@@ -323,8 +362,11 @@ def plot(report: dict, path: str) -> None:
 
     rates = list(report["rates"])
     models = list(next(iter(report["rates"].values())))
-    shown = ("local", "allreduce", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16")
-    colors = ("tab:gray", "tab:olive", "tab:red", "tab:orange", "tab:blue", "tab:pink", "tab:cyan")
+    extras = tuple(cap_engine(cap) for cap in report["config"]["extra_caps"])
+    shown = ("local", "allreduce", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16") + extras
+    colors = ("tab:gray", "tab:olive", "tab:red", "tab:orange", "tab:blue", "tab:pink", "tab:cyan") + (
+        "tab:green",
+    ) * len(extras)
     fig, axes = plt.subplots(len(models), len(rates), figsize=(4.8 * len(rates), 3.2 * len(models)), squeeze=False)
     for col, rate in enumerate(rates):
         for row, name in enumerate(models):
@@ -377,6 +419,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 4; quick 2)")
     parser.add_argument("--trace-steps", type=int, default=None, help="traced steps per engine (default 5; quick 3)")
+    parser.add_argument(
+        "--extra-caps",
+        default="",
+        help="comma list of bucket_cap_mb values: an extra ours engine for each (default none)",
+    )
     parser.add_argument("--quick", action="store_true", help="short smoke run (1gbit, 3 rounds; ~2-3 min)")
     parser.add_argument(
         "--out", default=None, help="output folder (default benchmarks/results; quick: /tmp/bench_net_quick)"
@@ -395,6 +442,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             parse_rate(rate)
         except ValueError as error:
             parser.error(str(error))
+    try:
+        extra_caps = [float(c) for c in args.extra_caps.split(",") if c]
+    except ValueError:
+        parser.error(f"--extra-caps={args.extra_caps!r}: give numbers of MiB, e.g. 4,8")
     out_dir = args.out or (os.path.join(tempfile.gettempdir(), "bench_net_quick") if quick else RESULTS_DIR)
     ok, why = hosts_available()
     if not ok:
@@ -408,6 +459,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "block_s": args.block_s or (0.1 if quick else 0.25),
         "warmup": args.warmup or (2 if quick else 4),
         "trace_steps": args.trace_steps or (3 if quick else 5),
+        "extra_caps": extra_caps,
     }
     load = os.getloadavg()
     print(f"[net] load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min)", flush=True)
@@ -426,7 +478,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"timing at {rate}", timing_worker, {**cfg, "rate": rate}, rate=rate, timeout_s=args.timeout, tag="net"
         )
         rank_file = outs[0].get("torchreplicate_file")
-        report["rates"][rate] = aggregate(outs, rate)
+        report["rates"][rate] = aggregate(outs, rate, extra_caps)
     report["method"] = METHOD
     finish_report(report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "net")
     try:
