@@ -3,7 +3,7 @@
 
 Usage (as root: the hosts are network namespaces)::
 
-    python benchmarks/bench_net.py                       # full run, both rates, ~10 min on 2 CPU cores
+    python benchmarks/bench_net.py                       # full run, both rates, ~6 min on 2 CPU cores
     python benchmarks/bench_net.py --quick               # smoke run, 1gbit only, ~2-3 min, to /tmp/bench_net_quick
     python benchmarks/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
 
