@@ -18,7 +18,8 @@ side by side in interleaved rounds (``benchlib.rounds.run_rounds``):
 - ``fwd``: forward and loss of the ``local`` model, no backward (the part of
   a step no gradient communication can overlap);
 - ``ddp`` / ``ddp_gbv``: torch DDP defaults / with ``gradient_as_bucket_view=True``;
-- ``ours``: ``replicate()`` defaults;
+- ``ours``: ``replicate()`` defaults (the bucket cap is tuned in the first
+  step from a measured link, the launch order from readiness);
 - ``ours_bf16``: ``replicate(reduce_dtype=torch.bfloat16)``;
 - ``ddp_bf16``: DDP defaults with torch's stock ``bf16_compress_hook``;
 - ``allreduce``: one gloo all-reduce of ``ours``' wire bytes per step and
@@ -34,7 +35,7 @@ bucket exists only after the forward, so ``floor = fwd + comm``; ``local``
 is the other lower bound (compute alone). After the rounds, untimed, a few
 steps of every communicating engine are traced (``benchlib.timeline``): when
 the forward ends, when ``backward()`` returns, and for ours when each bucket
-launches and is waited for (the library's step events), which splits
+launches and is waited for (the library's step timeline), which splits
 ``ours - floor`` into launch delay, transfer below line rate and the tail
 after the last wait.
 
@@ -92,7 +93,7 @@ METHOD = {
     "comm_ms": "8 S / link rate: a ring all-reduce on 2 ranks sends S bytes per rank (S/2 reduce-scatter + S/2 all-gather); payload bytes against the nominal rate, so a strict lower bound (TCP/IP headers take ~4% of a 1500-byte MTU)",
     "floor_ms": "fwd + comm: the forward (and loss) of the local model, which no gradient communication can overlap, plus comm; per round: that round's fwd block + comm",
     "ratio_to_floor": "per round: engine block / (fwd block of the same round + comm); median, quartiles, min, max",
-    "timeline": "untimed traced steps after the rounds (benchlib.timeline): ms from the step's start, median over steps, per rank; ours' marks from replicate.state(m).set_events()",
+    "timeline": "untimed traced steps after the rounds (benchlib.timeline): ms from the step's start, median over steps, per rank; ours' marks from torchreplicate.timeline.subscribe (one StepRecord per step)",
     "line_rate_done_ms": "when the last bucket would be through the link at the nominal rate had each bucket started at its launch (one link, buckets in order)",
 }
 

@@ -8,7 +8,7 @@
 - ``rounds``: ``run_rounds``, the interleaved timed rounds;
 - ``stats``: summaries, paired per-round ratios, ``aggregate_timing``;
 - ``timeline``: when the phases of a step happen (``trace_steps``, our
-  reducer's step events) and the line-rate schedule of its buckets;
+  reducer's per-bucket timeline) and the line-rate schedule of its buckets;
 - ``collectives``: counting collectives and bytes on the wire;
 - ``memory``: the peak-RSS phase;
 - ``breakdown``: our reducer's phases, read from ``torch.profiler`` labels;

@@ -1,18 +1,19 @@
-"""When things happen inside a step: phase times of any engine, and our reducer's step events.
+"""When things happen inside a step: phase times of any engine, and our reducer's per-bucket timeline.
 
-``trace_steps`` runs an engine's steps untimed by the rounds, stamping the
+``trace_steps`` runs an engine's steps outside the timed rounds, stamping the
 end of the forward (loss computed), of ``backward()`` and of the optimizer
-step. For our engines it also attaches a ``StepRecorder`` through the
-library's public ``replicate.state(m).set_events()`` (events.py), which
-stamps the first gradient hook of the backward, each bucket's launch (from a
-hook, or from the end-of-backward callback), the start of the end-of-backward
-work, each bucket's wait and the step's end. Every time is in ms from the
-start of the step, on ``time.perf_counter``.
+step. For our engines it also subscribes to the library's public step
+timeline (``torchreplicate.timeline.subscribe``: one ``StepRecord`` per
+synchronised backward) for the first gradient hook of the backward, each
+bucket's launch (from a hook, or from the end of backward), the start of the
+end-of-backward work, each bucket's wait and the step's end. Every time is in
+ms from the start of the step, on ``time.perf_counter_ns`` (the clock the
+records use).
 
 ``line_rate_schedule`` then says when the buckets' bytes would have crossed a
 link of a given rate had each started at its launch (one link, buckets in
-order): the gap between that and the floor is launch lateness, the gap
-between it and the observed end of the waits is transfer below line rate.
+order): the gap between that and the floor is launch delay, the gap between
+it and the observed end of the waits is transfer below line rate.
 """
 
 from __future__ import annotations
@@ -27,51 +28,28 @@ import torch.distributed as dist
 from benchlib.engines import Engine
 from benchlib.models import loss_of
 from torchreplicate import ReplicateModule, replicate
+from torchreplicate.timeline import StepRecord, subscribe, unsubscribe
 
 
-class StepRecorder:
-    """A ``torchreplicate.events.StepEvents`` observer: perf_counter stamps of one step at a time."""
+def step_marks(record: StepRecord, t0_ns: int) -> dict[str, Any]:
+    """A ``StepRecord``'s times in ms from ``t0_ns``, buckets keyed by index."""
 
-    def __init__(self) -> None:
-        self.t0 = 0.0  # perf_counter at the start of the current step
-        self.marks: dict[str, Any] = {}  # the current step's stamps, ms from t0
+    def ms(ns: int) -> float:
+        return (ns - t0_ns) / 1e6
 
-    def start(self, t0: float) -> None:
-        """A new step began at ``t0`` (perf_counter)."""
-        self.t0 = t0
-        self.marks = {"launch_ms": {}, "from_hook": {}, "waiting_ms": {}, "done_ms": {}, "grad_first_ms": {}}
-
-    def _now(self) -> float:
-        return (time.perf_counter() - self.t0) * 1e3
-
-    def backward(self, step: int) -> None:
-        self.marks.setdefault("backward_ms", self._now())
-
-    def grad(self, bucket: int) -> None:
-        self.marks["grad_first_ms"].setdefault(bucket, self._now())
-
-    def launch(self, bucket: int, from_hook: bool) -> None:
-        self.marks["launch_ms"][bucket] = self._now()
-        self.marks["from_hook"][bucket] = from_hook
-
-    def finalize(self, step: int) -> None:
-        self.marks["finalize_ms"] = self._now()
-
-    def waiting(self, bucket: int) -> None:
-        self.marks["waiting_ms"][bucket] = self._now()
-
-    def done(self, bucket: int) -> None:
-        self.marks["done_ms"][bucket] = self._now()
-
-    def late_round(self, started: bool) -> None:
-        self.marks["late_round"] = True
-
-    def step_end(self, step: int, wire_bytes: int) -> None:
-        self.marks["step_end_ms"] = self._now()
-        self.marks["wire_bytes"] = wire_bytes
-
-    def replan(self, step: int) -> None:
-        self.marks["replan"] = True
+    return {
+        "backward_ms": ms(record.backward_ns),
+        "finalize_ms": ms(record.finalize_ns),
+        "step_end_ms": ms(record.end_ns),
+        "launch_ms": {b.index: ms(b.launch_ns) for b in record.buckets},
+        "from_hook": {b.index: b.from_hook for b in record.buckets},
+        "waiting_ms": {b.index: ms(b.wait_ns) for b in record.buckets},
+        "done_ms": {b.index: ms(b.done_ns) for b in record.buckets},
+        "grad_first_ms": {b.index: ms(b.first_grad_ns) for b in record.buckets if b.first_grad_ns is not None},
+        "late_round": bool(record.late_rounds),
+        "replan": record.replan_ns is not None,
+        "wire_bytes": record.wire_bytes,
+    }
 
 
 def bucket_wire_bytes(engine: Engine) -> Optional[list[int]]:
@@ -92,40 +70,42 @@ def trace_steps(engine: Engine, batch: tuple[torch.Tensor, torch.Tensor], steps:
     """Runs ``steps`` steps of ``engine`` (as ``Engine.step``), stamping its phases; one dict per step.
 
     Keys (ms from the step's start): ``forward_ms``, ``backward_return_ms``,
-    ``step_ms``; for our engines also the ``StepRecorder`` marks. Every rank
-    must trace the same engine the same number of steps (they hold
-    collectives).
+    ``step_ms``; for our engines also the ``step_marks`` of the step's
+    ``StepRecord``. Every rank must trace the same engine the same number of
+    steps (they hold collectives).
     """
-    recorder: Optional[StepRecorder] = None
-    state = replicate.state(engine.module) if isinstance(engine.module, ReplicateModule) else None
-    if state is not None and state.reducer is not None:
-        recorder = StepRecorder()
-        state.set_events(recorder)
+    finished: list[StepRecord] = []
+
+    def note(record: StepRecord) -> None:
+        finished.append(record)
+
+    observed = isinstance(engine.module, ReplicateModule) and replicate.state(engine.module).reducer is not None
+    if observed:
+        subscribe(engine.module, note)
     x, y = batch
     records = []
     try:
         dist.barrier()
         for _ in range(steps):
-            t0 = time.perf_counter()
-            if recorder is not None:
-                recorder.start(t0)
+            finished.clear()
+            t0 = time.perf_counter_ns()
             loss = loss_of(engine.model_name, engine.module(x), y)
-            t_forward = time.perf_counter()
+            t_forward = time.perf_counter_ns()
             loss.backward()
-            t_backward = time.perf_counter()
+            t_backward = time.perf_counter_ns()
             engine.opt.step()
             engine.opt.zero_grad(set_to_none=True)
-            t_end = time.perf_counter()
-            record: dict[str, Any] = dict(recorder.marks) if recorder is not None else {}
+            t_end = time.perf_counter_ns()
+            record: dict[str, Any] = step_marks(finished[-1], t0) if finished else {}
             record.update(
-                forward_ms=(t_forward - t0) * 1e3,
-                backward_return_ms=(t_backward - t0) * 1e3,
-                step_ms=(t_end - t0) * 1e3,
+                forward_ms=(t_forward - t0) / 1e6,
+                backward_return_ms=(t_backward - t0) / 1e6,
+                step_ms=(t_end - t0) / 1e6,
             )
             records.append(record)
     finally:
-        if state is not None:
-            state.set_events(None)
+        if observed:
+            unsubscribe(engine.module, note)
     return records
 
 
@@ -155,7 +135,6 @@ def summarize_trace(records: list[dict], wire_bytes: Optional[Sequence[int]], ra
     if not records or "launch_ms" not in records[0] or not wire_bytes:
         return out
     num_buckets = len(wire_bytes)
-
     out["num_buckets"] = num_buckets
     out["bucket_wire_bytes"] = list(wire_bytes)
     out["from_hook"] = [bool(records[-1]["from_hook"].get(b)) for b in range(num_buckets)]
