@@ -112,3 +112,65 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
 def test_ranks_with_different_timings_choose_the_same_plan(pools):
     results = pools.run(2, skewed_clocks)
     assert results[0] == results[1], results
+
+
+class Regimes(NamedTuple):
+    caps: list[int]  # the cap after each step
+    layouts: list[int]  # bucket count after each step
+
+
+def regime_change(rank: int, world_size: int) -> Regimes:
+    """The link measures fast, then (from the 3rd measurement) slow: the buckets follow, exactly."""
+    from torchreplicate import tuning
+
+    measured = []
+
+    def fake_measure(group, dtype, device):
+        measured.append(1)
+        slow = len(measured) > 1
+        return LinkModel(latency_s=0.0003, bytes_per_s=125e6 if slow else 20e9)
+
+    saved = (tuning.measure_link, tuning.RETUNE_EVERY)
+    tuning.measure_link, tuning.RETUNE_EVERY = fake_measure, 3
+    try:
+        model = replicate(seeded(WideStack, 1 + rank))
+        reference = seeded(WideStack, 1)
+        caps, layouts = [], []
+        for step in range(7):
+            x = [
+                torch.randn(4, WIDE, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)
+            ]
+            model(x[rank]).pow(2).mean().backward()
+            torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
+            assert_grads_match(model, reference, f"rank {rank} step {step}")
+            with torch.no_grad():
+                for m in (model, reference):
+                    for p in m.parameters():
+                        p -= 0.01 * p.grad
+                    m.zero_grad()
+            reducer = replicate.state(model).reducer
+            caps.append(reducer.layout_policy.cap_bytes)
+            layouts.append(len(reducer.buckets))
+    finally:
+        tuning.measure_link, tuning.RETUNE_EVERY = saved
+    return Regimes(caps, layouts)
+
+
+WIDE = 512
+
+
+class WideStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(WIDE, WIDE) for _ in range(4)])  # 1 MiB weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_a_regime_change_retunes_the_buckets(pools):
+    results = pools.run(2, regime_change)
+    assert results[0] == results[1], results
+    caps, layouts = results[0]
+    assert caps[0] == caps[1] > caps[2], f"no retune at step 3: {caps}"  # measured at steps 1 and 3
+    assert layouts[2] > layouts[0], f"the buckets did not follow: {layouts}"

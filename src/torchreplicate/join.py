@@ -113,5 +113,5 @@ def shadow_backward(reducer: Reducer) -> None:
         for bucket in reducer.buckets:
             all_reduce(torch.zeros_like(bucket.grads), reducer.group, reducer.timeout)
     reducer.sparse.shadow(reducer.group, reducer.timeout)
-    if reducer.layout_policy.pending:  # the ranks still training tune after their first step: so here
-        reducer.tune(())
+    reducer.num_steps += 1  # the ranks still training count this step: the layout learning follows it
+    reducer.learn_layout(())

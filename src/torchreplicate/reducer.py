@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate import torch_internals
+from torchreplicate import torch_internals, tuning
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
 from torchreplicate.bucket_plan import plan_buckets
 from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
@@ -79,7 +79,7 @@ from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.torch_internals import queue_end_of_backward_callback
-from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, learn_layout
+from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, learn_layout, retune_cap
 from torchreplicate.watchdog import StallWatch
 
 
@@ -393,8 +393,7 @@ class Reducer:
         self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere, self.timeout)
         self._learn(step)
         self.num_steps += 1
-        if self.layout_policy.pending:
-            self.tune(step.first_ready)
+        self.learn_layout(step.first_ready)
         if watch is not None:
             watch.at("user code after the backward", self.num_steps)
         if events is not None:
@@ -437,20 +436,30 @@ class Reducer:
             self._raise_desync(sums)
         return sums
 
-    def tune(self, first_ready: Sequence[int]) -> None:
-        """Learns the launch order and bucket cap, then rebuilds the buckets ([Note: tuning] in tuning.py).
+    def learn_layout(self, first_ready: Sequence[int]) -> None:
+        """After a synchronised step: the first one learns launch order and cap, every
+        ``RETUNE_EVERY``-th measures the link again; the buckets follow ([Note: tuning]).
 
-        Called on every rank at the same point: the end of the first
-        synchronised backward (or its shadow, for a rank that joined).
+        Called on every rank at the same point: the end of a synchronised
+        backward, or its shadow on a rank that joined (join.py).
 
         Args:
             first_ready: slot indices in the order they first got a gradient here.
         """
-        policy = self.layout_policy
-        if learn_layout(policy, first_ready, self.group, self.buckets[-1].buffer):
-            self.buckets = self._build_buckets(policy)
-            self.layout.adopt(policy.dense)  # .grad moves from the old buckets into the new
-            self.flags = self._bind(self.reduction, self.flags.clock)
+        policy, like = self.layout_policy, self.buckets[-1].buffer
+        if policy.pending:
+            rebuild = learn_layout(policy, first_ready, self.group, like)
+        else:
+            due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0
+            rebuild = due and retune_cap(policy, self.group, like)
+        if rebuild:
+            self._rebuild_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        # A new layout from the policy; .grad moves from the old buckets into the new.
+        self.buckets = self._build_buckets(self.layout_policy)
+        self.layout.adopt(self.layout_policy.dense)
+        self.flags = self._bind(self.reduction, self.flags.clock)
 
     def _raise_desync(self, sums: FlagSums) -> None:
         # Every rank read the same sums, so every rank is here: one more agreed

@@ -13,11 +13,15 @@ backward, by every rank at the same point:
   the same way); registration order can differ (tied weights, modules
   registered out of execution order).
 - Bucket size, unless pinned by ``bucket_cap_mb``: a few all-reduces of
-  known sizes are timed (the slowest rank's time counts: one all-reduce of
-  the timings), a line ``time = latency + bytes / bandwidth`` is fitted, and
-  the cap is the smallest bucket whose fixed latency costs at most
-  ``OVERHEAD`` of its transfer time. Slow links get small buckets (the link
-  starts early and stays busy), fast ones large buckets (few collectives).
+  known sizes are timed (the median of a few each; the slowest rank's times
+  count: one all-reduce of the timings), a line ``time = latency + bytes /
+  bandwidth`` is fitted, and the cap is the smallest bucket whose fixed
+  latency costs at most ``OVERHEAD`` of its transfer time. Slow links get
+  small buckets (the link starts early and stays busy), fast ones large
+  buckets (few collectives). Every ``RETUNE_EVERY`` synchronised steps the
+  link is measured again (every rank counts the same steps), and the
+  buckets are rebuilt if the cap it gives moved by more than
+  ``RETUNE_FACTOR``: a regime change (another network, a busier machine).
 
 Both go through ``plan_buckets`` to a new bucket layout; slots, learned
 counts and ``.grad`` values carry over. Every rank takes the same decision
@@ -38,10 +42,12 @@ if TYPE_CHECKING:
 MiB = 1024 * 1024
 DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
 OVERHEAD = 0.05  # the latency a bucket may add, as a share of its transfer time
-MIN_CAP = 256 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
+MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB
-CALIBRATION_BYTES = (64 * 1024, 1 * MiB, 4 * MiB)  # the sizes timed
-CALIBRATION_REPEATS = 3  # the fastest of these counts (noise only adds time)
+CALIBRATION_BYTES = (256 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed
+CALIBRATION_REPEATS = 5  # their median counts: a busy machine's typical cost, not its best
+RETUNE_EVERY = 1000  # synchronised steps between two measurements of the link
+RETUNE_FACTOR = 2.0  # the cap changes only if the new one differs by more than this
 
 
 class LinkModel(NamedTuple):
@@ -91,17 +97,17 @@ def agree_order(order: Sequence[int], group: dist.ProcessGroup, device: torch.de
 def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> LinkModel:
     """Times all-reduces of ``CALIBRATION_BYTES`` on ``group``; the slowest rank's times count."""
     element = torch.empty((), dtype=dtype).element_size()
-    fastest = []
+    typical = []
     for nbytes in CALIBRATION_BYTES:
         scratch = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
         dist.all_reduce(scratch, group=group)  # warm: connections, allocator
-        best = float("inf")
+        seconds = []
         for _ in range(CALIBRATION_REPEATS):
             start = time.perf_counter()
             dist.all_reduce(scratch, group=group)
-            best = min(best, time.perf_counter() - start)
-        fastest.append(best)
-    timings = torch.tensor(fastest, dtype=torch.float64, device=device)
+            seconds.append(time.perf_counter() - start)
+        typical.append(sorted(seconds)[len(seconds) // 2])
+    timings = torch.tensor(typical, dtype=torch.float64, device=device)
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
     return fit_link(CALIBRATION_BYTES, timings.tolist())
 
@@ -159,4 +165,15 @@ def learn_layout(
         policy.link = measure_link(group, like.dtype, like.device)
         policy.cap_bytes = choose_cap(policy.link)
         policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
+    return True
+
+
+def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor) -> bool:
+    """Measures the link again; whether the cap moved enough to rebuild (then ``policy`` holds it)."""
+    link = measure_link(group, like.dtype, like.device)
+    cap = choose_cap(link)
+    if max(cap, policy.cap_bytes) / min(cap, policy.cap_bytes) <= RETUNE_FACTOR:
+        return False
+    policy.link, policy.cap_bytes = link, cap
+    policy.first_cap_bytes = min(policy.first_cap_bytes, cap)
     return True
