@@ -80,18 +80,20 @@ class ViewLayout(GradLayout):
             param.grad = slot.grad_obj
 
     def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
+        # The hot path (once per parameter per step): no asserts, calls inlined.
         param = slot.param
         grad = param.grad
-        assert grad is not None, "the hook runs after an accumulation into .grad"
         if grad is slot.grad_obj:
             return  # accumulated in place: finish_absorbing handles it at launch
         if slot.distributed:
-            grad = slot.plain(grad)
-        if step.absorbed[slot.index]:
-            reduction.fold(grad, slot)  # a further accumulation in this backward
+            grad = slot.plain(grad)  # type: ignore[arg-type]  # the reducer's hook checked it is set
+        index = slot.index
+        if step.absorbed[index]:
+            reduction.fold(grad, slot)  # type: ignore[arg-type]  # a further accumulation in this backward
         else:
-            reduction.absorb(grad, slot)
-            _mark_absorbed(slot, step)
+            reduction.absorb(grad, slot)  # type: ignore[arg-type]
+            step.absorbed[index] = True
+            slot.bucket.num_absorbed += 1
         param.grad = None
 
     def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:

@@ -57,6 +57,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
+from torch.compiler import is_compiling
 
 from torchreplicate import torch_internals, tuning
 from torchreplicate.bucket import Bucket, ParamSlot, StepState
@@ -74,11 +76,11 @@ from torchreplicate.dtensors import local
 from torchreplicate.events import StepEvents
 from torchreplicate.flags import FlagSums, StepFlags, num_flags
 from torchreplicate.grad_layout import GradLayout, LateGrads
-from torchreplicate.profiling import labelled
+from torchreplicate.profiling import PREFIX, labelled
 from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
-from torchreplicate.torch_internals import queue_end_of_backward_callback
+from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
 from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, learn_layout, retune_cap
 from torchreplicate.watchdog import StallWatch
 
@@ -263,12 +265,16 @@ class Reducer:
                 self.events.backward(self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
-    @labelled("hook")
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
-        # Runs after every accumulation into param.grad: keep it short.
-        if torch.compiler.is_compiling():
-            self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd]
+        # Runs after every accumulation into param.grad: keep it short. The
+        # unusual cases (a profiler recording, compiled autograd tracing this
+        # hook) branch off after two cheap checks.
+        if PROFILER._is_profiler_enabled or is_compiling():
+            self._unusual_hook(slot, param)
             return
+        self._accumulated(slot, param)
+
+    def _accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return  # an undefined gradient (a Function returned None): nothing accumulated
@@ -277,12 +283,19 @@ class Reducer:
             return
         if grad.dtype is not slot.dtype:
             raise changed_since_plan(slot, grad)
-        if torch.is_grad_enabled():
-            # backward(create_graph=True): the average cannot keep the graph
+        if grad.requires_grad:  # backward(create_graph=True): the average cannot keep the graph
             warn_create_graph()
             with torch.no_grad():
-                return self._take(slot)
+                self._take(slot)
+            return
         self._take(slot)
+
+    def _unusual_hook(self, slot: ParamSlot, param: nn.Parameter) -> None:
+        if is_compiling():
+            self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd]
+            return
+        with record_function(PREFIX + "hook"):  # a profiler records: label the hook
+            self._accumulated(slot, param)
 
     def _take(self, slot: ParamSlot) -> None:
         step = self.step

@@ -28,6 +28,9 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+PROFILER = torch.autograd.profiler  # its `_is_profiler_enabled` is read on the hot path: see profiler_active
+
+
 def profiler_active() -> bool:
     """Whether a torch profiler session is recording.
 
