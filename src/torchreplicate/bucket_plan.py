@@ -45,9 +45,11 @@ def plan_buckets(
     Parameters are visited in ``order`` (default: reverse of their index, since
     backward produces the gradients of the last layers first). A bucket holds
     parameters of one dtype and one device; it is closed once its size reaches
-    the cap. The first bucket closed uses ``first_cap_bytes`` so that the first
-    collective starts early in backward. A parameter larger than the cap gets a
-    bucket of its own. Buckets of different (dtype, device) groups fill in
+    the cap, or before a parameter that would take it past the cap (so what is
+    ready early does not wait in the bucket of a large parameter ready late:
+    a tied embedding). The first bucket closed uses ``first_cap_bytes`` so that
+    the first collective starts early in backward. A parameter larger than the
+    cap gets a bucket of its own. Buckets of different (dtype, device) groups fill in
     parallel, each closed by its own size, so a group never splits another's.
 
     Args:
@@ -98,12 +100,16 @@ def plan_buckets(
                     close(open_key)
             group = groups[index]
         key = (dtypes[index], torch.device(devices[index]))
+        element_size = torch.empty((), dtype=key[0]).element_size()
+        cap = first_cap_bytes if not buckets else cap_bytes
         indices, numel = open_buckets.get(key, ([], 0))
+        if indices and (numel + numels[index]) * element_size > cap:
+            close(key)  # this parameter would overflow it: the bucket leaves without it
+            cap = cap_bytes
+            indices, numel = [], 0
         indices.append(index)
         numel += numels[index]
         open_buckets[key] = (indices, numel)
-        cap = first_cap_bytes if not buckets else cap_bytes
-        element_size = torch.empty((), dtype=key[0]).element_size()
         if numel * element_size >= cap:
             close(key)
     # What is left closes in the order the groups first appeared: the same on

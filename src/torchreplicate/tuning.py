@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 MiB = 1024 * 1024
 DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
-OVERHEAD = 0.05  # the latency a bucket may add, as a share of its transfer time
+OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB
 CALIBRATION_BYTES = (256 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed
