@@ -45,9 +45,10 @@ def plan_buckets(
     Parameters are visited in ``order`` (default: reverse of their index, since
     backward produces the gradients of the last layers first). A bucket holds
     parameters of one dtype and one device; it is closed once its size reaches
-    the cap, or before a parameter that would take it past the cap (so what is
-    ready early does not wait in the bucket of a large parameter ready late:
-    a tied embedding). The first bucket closed uses ``first_cap_bytes`` so that
+    the cap, or, once half full, before a parameter that would take it past
+    the cap (so what is ready early does not wait in the bucket of a large
+    parameter ready late, a tied embedding; a small bias still rides with the
+    weight after it). The first bucket closed uses ``first_cap_bytes`` so that
     the first collective starts early in backward. A parameter larger than the
     cap gets a bucket of its own. Buckets of different (dtype, device) groups fill in
     parallel, each closed by its own size, so a group never splits another's.
@@ -103,8 +104,8 @@ def plan_buckets(
         element_size = torch.empty((), dtype=key[0]).element_size()
         cap = first_cap_bytes if not buckets else cap_bytes
         indices, numel = open_buckets.get(key, ([], 0))
-        if indices and (numel + numels[index]) * element_size > cap:
-            close(key)  # this parameter would overflow it: the bucket leaves without it
+        if indices and 2 * numel * element_size >= cap and (numel + numels[index]) * element_size > cap:
+            close(key)  # half full, and this parameter would overflow it: it leaves without it
             cap = cap_bytes
             indices, numel = [], 0
         indices.append(index)
