@@ -10,6 +10,7 @@ one synchronised backward; the reducer replaces it at the end of each.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 import torch
@@ -42,6 +43,7 @@ class ParamSlot:
         "grad_obj",
         "expected",
         "optimizers",
+        "hook",
     )
 
     def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:
@@ -58,6 +60,7 @@ class ParamSlot:
         self.grad_obj: torch.Tensor  # what .grad is set to: the view, or a DTensor around it
         # torch's optimizer-in-backward: stepped by the reducer once the average is in .grad
         self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(getattr(param, "_in_backward_optimizers", ()))
+        self.hook: Any = None  # the reducer's post-accumulate-grad hook handle, while registered
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
         self.expected = expected
@@ -118,6 +121,15 @@ class Bucket:
         self.num_absorbed = 0
         self.in_flight = None
 
+    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (shaped like ``grads``) cut into one view per slot, each shaped like its gradient."""
+        views, offset = [], 0
+        for slot in self.slots:
+            numel = slot.view.numel()
+            views.append(flat[offset : offset + numel].view_as(slot.view))
+            offset += numel
+        return views
+
     def describe(self) -> str:
         """The bucket's first parameter names, for error messages."""
         names = [slot.name for slot in self.slots]
@@ -128,6 +140,18 @@ class Bucket:
         if any(slot.expected == 0 for slot in self.slots):
             return NEVER  # a parameter not seen yet: only the end of backward launches it
         return len(self.slots)
+
+
+def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
+    """A digest of a bucket layout (names, shapes, dtypes in order): equal on ranks whose layouts match.
+
+    Args:
+        buckets: the buckets, in launch order.
+        unbucketed: the slots reduced outside the buckets (sparse gradients).
+    """
+    layout = [[(s.name, tuple(s.param.shape), str(s.dtype)) for s in b.slots] for b in buckets]
+    layout.append([(s.name, tuple(s.param.shape), str(s.dtype)) for s in unbucketed])
+    return int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:8], "little")
 
 
 class StepState:

@@ -32,10 +32,11 @@ class WeakGroup:
         group: the process group.
     """
 
-    __slots__ = ("_ref",)
+    __slots__ = ("_ref", "name")
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._ref = weakref.ref(group)
+        self.name = group.group_name  # how traced code names it ([Note: compiled autograd] in reducer.py)
 
     def get(self) -> dist.ProcessGroup:
         """The group; RuntimeError if it was destroyed."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +78,27 @@ class DesyncReport(NamedTuple):
     rank: int
     clock: int
     layout_digest: int
+
+
+def desync_error(
+    group: dist.ProcessGroup, clock: int, layout_digest: int, backward: int, clocks_agree: bool
+) -> RuntimeError:
+    """The error every rank raises once the flags said the ranks disagree.
+
+    Every rank read the same flag sums, so every rank is here: one more agreed
+    collective gathers who is where ([Note: desync detection] in flags.py).
+
+    Args:
+        group: the module's process group.
+        clock: this rank's training clock.
+        layout_digest: this rank's bucket layout digest.
+        backward: synchronised backwards this rank completed before this one.
+        clocks_agree: whether the training clocks agreed (else the layouts differ).
+    """
+    mine = DesyncReport(dist.get_rank(group), clock, layout_digest)
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    return RuntimeError(format_desync(reports, mine.rank, backward, clocks_agree))
 
 
 def format_desync(reports: Sequence[DesyncReport], this_rank: int, backward: int, clocks_agree: bool) -> str:

@@ -4,7 +4,8 @@ One ``Reducer`` per replicated module (rebuilt on a re-plan). It owns the
 buckets (bucket.py), a post-accumulate-grad hook per parameter and the
 end-of-backward callback that completes the step. How a slot is filled and a
 bucket reduced is the ``Reduction``'s job (reduction.py); where ``.grad``
-lives is the ``GradLayout``'s (grad_layout.py).
+lives is the ``GradLayout``'s (grad_layout.py); what happens once backward
+is over, step_end.py's.
 
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
@@ -34,25 +35,13 @@ launched (the graph changed), the gradient must not race with the collective
 that reads the bucket: at launch, each parameter's ``.grad`` is detached from
 the bucket (``GradLayout.detach``), so a late accumulation lands in a fresh
 tensor, which the late round reduces.
-
-[Note: end of backward]
-The callback is queued from a hook on the forward outputs (the outermost
-backward pass reaches them first), or, when no forward hook ran (a method
-other than ``forward``), from the first parameter hook of the backward. If
-that first hook fires inside a nested pass (reentrant checkpointing around
-the last layers, called through such a method), the callback runs when the
-nested pass ends, and the rest of the backward queues another: the step is
-reduced in two rounds, each agreed, and the second adds the mean of what the
-outer pass accumulated. Still exact, as long as every rank's graph has the
-same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,27 +50,25 @@ from torch.autograd.profiler import record_function
 from torch.compiler import is_compiling
 
 from torchreplicate import torch_internals, tuning
-from torchreplicate.bucket import Bucket, ParamSlot, StepState
-from torchreplicate.bucket_plan import plan_buckets
-from torchreplicate.collectives import WeakGroup, all_reduce, is_transport_error
+from torchreplicate.bucket import Bucket, ParamSlot, StepState, layout_digest
+from torchreplicate.collectives import WeakGroup, is_transport_error
 from torchreplicate.diagnostics import (
-    DesyncReport,
     changed_since_plan,
-    format_desync,
     raise_with_place,
     refuse_foreign_hooks,
     warn_create_graph,
 )
 from torchreplicate.dtensors import local
 from torchreplicate.events import StepEvents
-from torchreplicate.flags import FlagSums, StepFlags, num_flags
-from torchreplicate.grad_layout import GradLayout, LateGrads
+from torchreplicate.flags import StepFlags, num_flags
+from torchreplicate.grad_layout import GradLayout
 from torchreplicate.profiling import PREFIX, labelled
 from torchreplicate.reduction import Reduction
 from torchreplicate.sparse import SparseGrads
+from torchreplicate.step_end import finish_step
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
-from torchreplicate.tuning import DEFAULT_CAP, LayoutPolicy, learn_layout, retune_cap
+from torchreplicate.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.watchdog import StallWatch
 
 
@@ -127,47 +114,26 @@ class Reducer:
     ) -> None:
         learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
-        self._group = WeakGroup(group)  # held weakly: see collectives.WeakGroup
-        self._group_name = group.group_name  # how the traced path names it ([Note: compiled autograd])
         self.layout = layout
         self.sync = sync
         self.watch = watch
         self.events: Optional[StepEvents] = None  # an observer of the step's timeline (trace.py), off by default
-        self.slots = [
-            ParamSlot(i, p, n, learned.expected.get(id(p), 0))
-            for i, (p, n) in enumerate(zip(params, names, strict=True))
-        ]
-        refuse_foreign_hooks(self.slots)
+        self.slots = _make_slots(params, names, learned)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
-        self.layout_policy = LayoutPolicy(
-            dense,
-            None if groups is None else [groups[slot.index] for slot in dense],
-            DEFAULT_CAP if bucket_cap_bytes is None else bucket_cap_bytes,
-            first_bucket_cap_bytes,
-            tune_cap=bucket_cap_bytes is None,
-        )
-        self.buckets = self._build_buckets(self.layout_policy)
-        # torch's optimizer-in-backward: its own hooks would step on the local
-        # gradient, so they go, and the reducer steps after the average
-        self._in_backward = [slot for slot in self.slots if slot.optimizers]
-        for slot in self._in_backward:
-            torch_internals.remove_in_backward_optimizer_hooks(slot.param)
+        self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes)
+        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
+        self.in_backward = self._take_over_in_backward_optimizers()
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
-        self.flags = self._bind(reduction, clock)
+        self.flags = self._bind(reduction, clock, WeakGroup(group))  # the group is held weakly: collectives.py
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
         # - Per step: replaced at the end of each synchronised backward
         self.step = StepState(len(self.slots))
-        self._hook_handles = [
-            slot.param.register_post_accumulate_grad_hook(
-                functools.partial(self._on_sparse_grad if id(slot.param) in sparse else self._on_grad_accumulated, slot)
-            )
-            for slot in self.slots
-        ]
+        self._register_hooks()
         layout.adopt(self.slots)
 
     # -- derived facts -------------------------------------------------------
@@ -175,7 +141,13 @@ class Reducer:
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group of the collectives."""
-        return self._group.get()
+        return self._weak_group.get()
+
+    @property
+    def _weak_group(self) -> WeakGroup:
+        weak_group = self.reduction.weak_group
+        assert weak_group is not None, "bound at __init__"
+        return weak_group
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -189,32 +161,19 @@ class Reducer:
 
     # -- set-up ----------------------------------------------------------------
 
-    def _build_buckets(self, policy: LayoutPolicy) -> list[Bucket]:
-        extra = num_flags(len(self.slots))
-        dense = policy.dense
-        if not dense:  # only sparse parameters: the flags still need a bucket to travel in
-            return [Bucket(0, [], torch.float32, self.slots[0].param.device, extra=extra)]
-        params = [local(slot.param) for slot in dense]
-        specs = plan_buckets(
-            [p.numel() for p in params],
-            [p.dtype for p in params],
-            [p.device for p in params],
-            order=policy.order,
-            cap_bytes=policy.cap_bytes,
-            first_cap_bytes=policy.first_cap_bytes,
-            groups=policy.groups,
-        )
-        last = len(specs) - 1
-        return [
-            Bucket(
-                index,
-                [dense[i] for i in spec.param_indices],
-                spec.dtype,
-                spec.device,
-                extra=extra if index == last else 0,
-            )
-            for index, spec in enumerate(specs)
-        ]
+    def _take_over_in_backward_optimizers(self) -> list[ParamSlot]:
+        # torch's optimizer-in-backward: its own hooks would step on the local
+        # gradient, so they go, and the reducer steps after the average.
+        slots = [slot for slot in self.slots if slot.optimizers]
+        for slot in slots:
+            torch_internals.remove_in_backward_optimizer_hooks(slot.param)
+        return slots
+
+    def _register_hooks(self) -> None:
+        sparse = {id(slot.param) for slot in self.sparse.slots}
+        for slot in self.slots:
+            hook = self._on_sparse_grad if id(slot.param) in sparse else self._on_grad_accumulated
+            slot.hook = slot.param.register_post_accumulate_grad_hook(functools.partial(hook, slot))
 
     def use_reduction(self, reduction: Reduction) -> None:
         """Switches to another reduction (a comm hook registered); only before the first step.
@@ -227,30 +186,25 @@ class Reducer:
                 f"register_comm_hook(): training already ran {self.num_steps} synchronised "
                 "step(s); register the hook before the first backward"
             )
+        weak_group = self._weak_group
         self.reduction = reduction
-        self.flags = self._bind(reduction, self.flags.clock)
+        self.flags = self._bind(reduction, self.flags.clock, weak_group)
 
     @property
     def timeout(self) -> Optional[timedelta]:
         """Per-operation timeout of the reducer's collectives (the watchdog's), or None."""
         return None if self.watch is None else self.watch.timeout
 
-    def _bind(self, reduction: Reduction, clock: TrainingClock) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), self._group, self.timeout)
-        return StepFlags(tail, len(self.slots), self.layout_digest, clock)
-
-    @property
-    def layout_digest(self) -> int:
-        """A digest of the bucket layout: equal on ranks whose buckets match."""
-        layout = [[(s.name, tuple(s.param.shape), str(s.dtype)) for s in b.slots] for b in self.buckets]
-        layout.append([(s.name, tuple(s.param.shape), str(s.dtype)) for s in self.sparse.slots])
-        return int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:8], "little")
+    def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.timeout)
+        return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        for slot in self.slots:
+            if slot.hook is not None:
+                slot.hook.remove()
+                slot.hook = None
 
     # -- backward: the hot path --------------------------------------------
 
@@ -342,7 +296,7 @@ class Reducer:
         grad = param.grad
         if grad is None:
             return
-        grad.copy_(torch_internals.traced_all_reduce(grad / self.reduction.divide_factor, self._group_name))
+        grad.copy_(torch_internals.traced_all_reduce(grad / self.reduction.divide_factor, self._weak_group.name))
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
@@ -356,22 +310,23 @@ class Reducer:
         while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
             bucket = self.buckets[step.num_launched]
             self.layout.detach(bucket, step, self.reduction)
-            self._launch(bucket, step)
+            self.launch(bucket, step)
             if self.events is not None:
                 self.events.launch(bucket.index, True)
 
     @labelled("launch")
-    def _launch(self, bucket: Bucket, step: StepState) -> None:
+    def launch(self, bucket: Bucket, step: StepState) -> None:
+        """Launches ``bucket``, the next in index order ([Note: one collective sequence])."""
         assert bucket.index == step.num_launched, "buckets launch in index order"
         step.num_launched += 1
         self.reduction.finish_absorbing(bucket, step.absorbed)
         try:
             self.reduction.launch(bucket)
         except (TypeError, ValueError) as error:
-            raise_with_place(error, self._where(bucket))
+            raise_with_place(error, self.where(bucket))
 
-    def _where(self, bucket: Bucket) -> str:
-        # Rank, step and parameters, for errors a user must trace to a layer.
+    def where(self, bucket: Bucket) -> str:
+        """Rank, step and parameters, for errors a user must trace to a layer."""
         rank = dist.get_rank(self.group)
         return f"replicate(): rank {rank}, step {self.num_steps}, bucket {bucket.index} ({bucket.describe()})"
 
@@ -382,7 +337,7 @@ class Reducer:
     def _finalize(self) -> None:
         step = self.step
         try:
-            self._finish_step(step)
+            finish_step(self, step)
         except RuntimeError as error:
             watch = self.watch
             if watch is None or not is_transport_error(error):
@@ -393,61 +348,6 @@ class Reducer:
             for bucket in self.buckets:
                 bucket.reset_step()
             self.step = StepState(len(self.slots))
-
-    def _finish_step(self, step: StepState) -> None:
-        num_early = step.num_launched  # launched from hooks, .grad detached
-        sums = self._reduce_rest(step)
-        late_grads = self.layout.restore(self.buckets, step, sums, num_early)
-        if sums.any_late:
-            self._reduce_late(late_grads)
-        watch, events = self.watch, self.events
-        if watch is not None and self.sparse.slots:
-            watch.at("sparse gradients", self.num_steps)
-        self.sparse.reduce(self.group, self.reduction.divide_factor, sums.unused_everywhere, self.timeout)
-        self._learn(step)
-        self.num_steps += 1
-        self.learn_layout(step.first_ready)
-        if watch is not None:
-            watch.at("user code after the backward", self.num_steps)
-        if events is not None:
-            events.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
-        for slot in self._in_backward:  # every .grad is final now
-            if slot.param.grad is not None:
-                for optimizer in slot.optimizers:
-                    optimizer.step()
-                slot.param.grad = None  # as torch's optimizer-in-backward leaves it
-
-    def _reduce_rest(self, step: StepState) -> FlagSums:
-        # Launches every bucket the hooks did not (the last with the flags),
-        # waits for all, and returns what the summed flags say.
-        events, watch = self.events, self.watch
-        if events is not None:
-            events.finalize(self.num_steps)
-        unused_here = self.sparse.unused_here()
-        for bucket in self.buckets[step.num_launched :]:
-            for slot in bucket.slots:
-                if not self.layout.fill(slot, step, self.reduction):
-                    unused_here.append(slot.index)
-            if bucket is self.buckets[-1]:
-                self.flags.write(unused_here, step.late)
-            self._launch(bucket, step)
-            if events is not None:
-                events.launch(bucket.index, False)
-        for bucket in self.buckets:
-            if watch is not None:
-                watch.at(f"bucket {bucket.index} ({bucket.describe()})", self.num_steps)
-            if events is not None:
-                events.waiting(bucket.index)
-            self._wait(bucket)
-            if events is not None:
-                events.done(bucket.index)
-        if watch is not None:
-            watch.at("the flags' all-reduce", self.num_steps)
-        self.reduction.reduce_flags()
-        sums = self.flags.read(unused_here)
-        if not (sums.clocks_agree and sums.layouts_agree):
-            self._raise_desync(sums)
-        return sums
 
     def learn_layout(self, first_ready: Sequence[int]) -> None:
         """After a synchronised step: the first one learns launch order and cap, every
@@ -470,72 +370,22 @@ class Reducer:
 
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
-        self.buckets = self._build_buckets(self.layout_policy)
+        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
         self.layout.adopt(self.layout_policy.dense)
-        self.flags = self._bind(self.reduction, self.flags.clock)
-
-    def _raise_desync(self, sums: FlagSums) -> None:
-        # Every rank read the same sums, so every rank is here: one more agreed
-        # collective gathers who is where ([Note: desync detection] in flags.py).
-        group = self.group
-        mine = DesyncReport(dist.get_rank(group), self.flags.clock.steps, self.layout_digest)
-        reports: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, mine, group=group)
-        raise RuntimeError(format_desync(reports, mine.rank, self.num_steps, sums.clocks_agree))
-
-    @labelled("wait")
-    def _wait(self, bucket: Bucket) -> None:
-        try:
-            self.reduction.wait(bucket)
-        except (TypeError, ValueError) as error:
-            raise_with_place(error, self._where(bucket))
+        self.flags = self._bind(self.reduction, self.flags.clock, self._weak_group)
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
-        wire: int = sum(w.numel() * w.element_size() for w in getattr(self.reduction, "wires", ()))
-        if not wire:  # a comm hook: the buckets as handed to it, and the flags
-            wire = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        wire = self.reduction.wire_bytes(self.buckets)
         if late:
             wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
         return wire
 
-    @labelled("late_round")
-    def _reduce_late(self, late_grads: LateGrads) -> None:
-        if self.watch is not None:
-            self.watch.at("late round", self.num_steps)
-        if self.events is not None:
-            self.events.late_round(True)
-        # One more agreed round: every rank sends its late gradients (zeros
-        # where it has none), bucket by bucket, and adds their mean.
-        for bucket in self.buckets:
-            extra = torch.zeros_like(bucket.grads)
-            pieces = []
-            offset = 0
-            for slot in bucket.slots:
-                piece = extra[offset : offset + slot.view.numel()].view_as(slot.view)
-                offset += slot.view.numel()
-                if slot.index in late_grads:
-                    piece.copy_(late_grads[slot.index])
-                pieces.append(piece)
-            all_reduce(extra, self.group, self.timeout)
-            extra.div_(self.reduction.divide_factor)
-            for slot, piece in zip(bucket.slots, pieces, strict=True):
-                # A late gradient anywhere means the parameter was used there,
-                # so every rank now holds a .grad for it; None means unused
-                # everywhere, and nothing late can have arrived for it.
-                grad = slot.param.grad
-                if grad is not None:
-                    local(grad).add_(piece)
-        if self.events is not None:
-            self.events.late_round(False)
 
-    def _learn(self, step: StepState) -> None:
-        if not step.grew:
-            return
-        changed = set()
-        for slot, fired in zip(self.slots, step.fired, strict=True):
-            if fired > slot.expected:  # never a sparse slot: its hook counts nothing
-                slot.expected = fired
-                changed.add(slot.bucket.index)
-        for index in changed:
-            self.buckets[index].relearn()
+def _make_slots(params: Sequence[nn.Parameter], names: Sequence[str], learned: Learned) -> list[ParamSlot]:
+    # One slot per parameter, with what an earlier reducer of the module learned.
+    slots = [
+        ParamSlot(i, p, n, learned.expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))
+    ]
+    refuse_foreign_hooks(slots)
+    return slots

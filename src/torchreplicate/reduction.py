@@ -31,6 +31,7 @@ class Reduction:
     """
 
     divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
+    weak_group: Optional[WeakGroup] = None  # the group the collectives run on (set by bind)
 
     def bind(
         self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
@@ -67,6 +68,10 @@ class Reduction:
     def set_divide_factor(self, divide_factor: float) -> None:
         """Changes the divisor (uneven inputs: the ranks still training; join.py)."""
 
+    def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
+        """Bytes one backward hands to the collectives (per rank): the buckets as they travel."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in buckets)
+
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
         raise NotImplementedError
@@ -100,7 +105,6 @@ class AllReduce(Reduction):
         self.reduce_dtype = reduce_dtype
         self.gradient_divide_factor = gradient_divide_factor
         # - Bound to one bucket layout (bind)
-        self._group: Optional[WeakGroup] = None
         self._timeout: Optional[timedelta] = None  # per-operation timeout of each all-reduce
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
@@ -113,7 +117,7 @@ class AllReduce(Reduction):
     def bind(
         self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
     ) -> torch.Tensor:
-        self._group = group
+        self.weak_group = group
         self._timeout = timeout
         self.divide_factor = float(self.gradient_divide_factor or dist.get_world_size(group.get()))
         self.wires, self.scales = [], []
@@ -134,10 +138,13 @@ class AllReduce(Reduction):
             for scale in self.scales:
                 scale.fill_(1.0 / divide_factor)
 
+    def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
+        return sum(wire.numel() * wire.element_size() for wire in self.wires)  # in the reduce dtype
+
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
-        assert self._group is not None, "bind() comes first"
+        assert self.weak_group is not None, "bind() comes first"
         zeros = [torch.zeros_like(wire) for wire in self.wires]
-        works = [all_reduce(z, self._group.get(), self._timeout, async_op=True) for z in zeros]
+        works = [all_reduce(z, self.weak_group.get(), self._timeout, async_op=True) for z in zeros]
         for work in works:
             assert work is not None
             work.wait()
@@ -163,11 +170,11 @@ class AllReduce(Reduction):
                 slot.view.mul_(scale)
 
     def launch(self, bucket: Bucket) -> None:
-        assert self._group is not None, "bind() comes first"
+        assert self.weak_group is not None, "bind() comes first"
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        bucket.in_flight = all_reduce(wire, self._group.get(), self._timeout, async_op=True)
+        bucket.in_flight = all_reduce(wire, self.weak_group.get(), self._timeout, async_op=True)
 
     def wait(self, bucket: Bucket) -> None:
         bucket.in_flight.wait()
@@ -213,7 +220,6 @@ class HookReduction(Reduction):
         self.state = state
         self.hook = hook
         # - Bound to one bucket layout (bind)
-        self._group: Optional[WeakGroup] = None
         self._timeout: Optional[timedelta] = None  # per-operation timeout of the flags' all-reduce
         self._buckets: Sequence[Bucket] = ()  # to wait for bucket k - 1 before calling the hook on k
         self._flags = torch.zeros(0)  # the flags' own tensor
@@ -223,7 +229,7 @@ class HookReduction(Reduction):
     ) -> torch.Tensor:
         # The hook launches its own collectives, which cannot take a timeout:
         # only the flags' all-reduce is bounded (README: When things go wrong).
-        self._group = group
+        self.weak_group = group
         self._timeout = timeout
         self._buckets = buckets
         self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
@@ -232,24 +238,24 @@ class HookReduction(Reduction):
 
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         # The hook on zero buckets, one at a time, then the flags' own all-reduce.
-        assert self._group is not None, "bind() comes first"
+        assert self.weak_group is not None, "bind() comes first"
         future = None
         for bucket in buckets:
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            views, offset = [], 0
-            for slot in bucket.slots:
-                views.append(zeros[offset : offset + slot.view.numel()].view_as(slot.view))
-                offset += slot.view.numel()
             grad_bucket = GradBucket(
-                bucket.index, bucket.index == len(buckets) - 1, zeros, [s.param for s in bucket.slots], views
+                bucket.index,
+                bucket.index == len(buckets) - 1,
+                zeros,
+                [s.param for s in bucket.slots],
+                bucket.views_of(zeros),
             )
             future = self.hook(self.state, grad_bucket)
         if future is not None:
             future.wait()
         flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
-        all_reduce(flags, self._group.get(), self._timeout)
+        all_reduce(flags, self.weak_group.get(), self._timeout)
         return flags
 
     def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
@@ -285,5 +291,5 @@ class HookReduction(Reduction):
             bucket.grads.copy_(result.reshape(-1))
 
     def reduce_flags(self) -> None:
-        assert self._group is not None, "bind() comes first"
-        all_reduce(self._flags, self._group.get(), self._timeout)
+        assert self.weak_group is not None, "bind() comes first"
+        all_reduce(self._flags, self.weak_group.get(), self._timeout)

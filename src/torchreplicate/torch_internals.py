@@ -23,7 +23,7 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     gradient hook). Called from a nested backward (reentrant activation
     checkpointing), the callback runs when that nested pass ends, which is why
     the reducer queues it from a hook on the forward outputs, in the outermost
-    pass (see [Note: end of backward] in reducer.py).
+    pass (see [Note: end of backward] in step_end.py).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 

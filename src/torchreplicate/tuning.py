@@ -31,13 +31,14 @@ from the same numbers, so the collective sequence stays one.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from torchreplicate.bucket import ParamSlot
+from torchreplicate.bucket import Bucket, ParamSlot
+from torchreplicate.bucket_plan import plan_buckets
+from torchreplicate.dtensors import local
 
 MiB = 1024 * 1024
 DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
@@ -117,31 +118,63 @@ class LayoutPolicy:
 
     Args:
         dense: the slots laid out in buckets (sparse ones are not), in registration order.
-        groups: per dense slot, its nested-replicate group (bucket_plan.py), or None.
-        cap_bytes: the bucket cap (``DEFAULT_CAP`` until tuned, when ``tune_cap``).
+        groups: per slot index (all slots), its nested-replicate group (bucket_plan.py), or None.
+        cap_bytes: the bucket cap; None: ``DEFAULT_CAP`` until the first step measured the link.
         first_cap_bytes: the first bucket's cap.
-        tune_cap: measure the link in the first step and choose the cap.
     """
 
     def __init__(
         self,
         dense: Sequence[ParamSlot],
         groups: Optional[Sequence[int]],
-        cap_bytes: int,
+        cap_bytes: Optional[int],
         first_cap_bytes: int,
-        *,
-        tune_cap: bool,
     ) -> None:
         # - Configuration
         self.dense = list(dense)
-        self.groups = groups
-        self.tune_cap = tune_cap
+        self.groups = None if groups is None else [groups[slot.index] for slot in self.dense]  # per dense slot
+        self.tune_cap = cap_bytes is None  # measure the link in the first step and choose the cap
         # - Learned in the first synchronised step ([Note: tuning])
         self.pending = True  # nothing learned yet
-        self.cap_bytes = cap_bytes
+        self.cap_bytes = DEFAULT_CAP if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
         self.link: Optional[LinkModel] = None  # the fitted link, when measured
+
+
+def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) -> list[Bucket]:
+    """The buckets ``policy`` lays out now; the last keeps ``num_flags`` elements of room for the flags.
+
+    Args:
+        policy: the layout policy (its dense slots, order, caps, groups).
+        num_flags: the flags' room (flags.py).
+        device: where the flags travel when no slot is dense (only sparse
+            parameters still need a bucket for them).
+    """
+    dense = policy.dense
+    if not dense:
+        return [Bucket(0, [], torch.float32, device, extra=num_flags)]
+    params = [local(slot.param) for slot in dense]
+    specs = plan_buckets(
+        [p.numel() for p in params],
+        [p.dtype for p in params],
+        [p.device for p in params],
+        order=policy.order,
+        cap_bytes=policy.cap_bytes,
+        first_cap_bytes=policy.first_cap_bytes,
+        groups=policy.groups,
+    )
+    last = len(specs) - 1
+    return [
+        Bucket(
+            index,
+            [dense[i] for i in spec.param_indices],
+            spec.dtype,
+            spec.device,
+            extra=num_flags if index == last else 0,
+        )
+        for index, spec in enumerate(specs)
+    ]
 
 
 def learn_layout(
