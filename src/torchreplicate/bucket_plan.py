@@ -69,52 +69,79 @@ def plan_buckets(
     Returns:
         The buckets, in launch order. Every parameter appears in exactly one.
     """
+    order = _checked_order(numels, dtypes, devices, order, groups)
+    if cap_bytes <= 0 or first_cap_bytes <= 0:
+        raise ValueError(
+            f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}"
+        )
+    filler = _Filler(numels, cap_bytes, first_cap_bytes)
+    group = None
+    for index in order:
+        if groups is not None:
+            if group is not None and groups[index] != group:
+                filler.close_all()
+            group = groups[index]
+        filler.add(index, (dtypes[index], torch.device(devices[index])))
+    # What is left closes in the order the groups first appeared: the same on
+    # every rank, since it depends only on the inputs.
+    filler.close_all()
+    return filler.buckets
+
+
+def _checked_order(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    order: Sequence[int] | None,
+    groups: Sequence[int] | None,
+) -> Sequence[int]:
+    # The visiting order, once the per-parameter inputs are known to line up.
     count = len(numels)
     if not (len(dtypes) == len(devices) == count):
         raise ValueError(
             f"plan_buckets: numels, dtypes and devices must have one entry per "
             f"parameter, got {count}, {len(dtypes)} and {len(devices)}"
         )
-    if order is None:
-        order = range(count - 1, -1, -1)
-    elif sorted(order) != list(range(count)):
-        raise ValueError(f"plan_buckets: order must be a permutation of range({count}), got {list(order)}")
     if groups is not None and len(groups) != count:
         raise ValueError(f"plan_buckets: groups must have one entry per parameter, got {len(groups)} for {count}")
-    if cap_bytes <= 0 or first_cap_bytes <= 0:
-        raise ValueError(
-            f"plan_buckets: caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}"
-        )
+    if order is None:
+        return range(count - 1, -1, -1)
+    if sorted(order) != list(range(count)):
+        raise ValueError(f"plan_buckets: order must be a permutation of range({count}), got {list(order)}")
+    return order
 
-    buckets: list[BucketSpec] = []
-    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
 
-    def close(key: tuple[torch.dtype, torch.device]) -> None:
-        indices, numel = open_buckets.pop(key)
-        buckets.append(BucketSpec(tuple(indices), key[0], key[1], numel))
+_Key = tuple[torch.dtype, torch.device]
 
-    group = None
-    for index in order:
-        if groups is not None:
-            if group is not None and groups[index] != group:
-                for open_key in list(open_buckets):
-                    close(open_key)
-            group = groups[index]
-        key = (dtypes[index], torch.device(devices[index]))
+
+class _Filler:
+    # The open buckets, one per (dtype, device), filling in parallel.
+
+    def __init__(self, numels: Sequence[int], cap_bytes: int, first_cap_bytes: int) -> None:
+        self.numels = numels
+        self.cap_bytes = cap_bytes
+        self.first_cap_bytes = first_cap_bytes
+        self.buckets: list[BucketSpec] = []  # closed, in launch order
+        self.open: dict[_Key, tuple[list[int], int]] = {}  # key -> (parameter indices, numel)
+
+    def add(self, index: int, key: _Key) -> None:
         element_size = torch.empty((), dtype=key[0]).element_size()
-        cap = first_cap_bytes if not buckets else cap_bytes
-        indices, numel = open_buckets.get(key, ([], 0))
-        if indices and 2 * numel * element_size >= cap and (numel + numels[index]) * element_size > cap:
-            close(key)  # half full, and this parameter would overflow it: it leaves without it
-            cap = cap_bytes
+        cap = self.first_cap_bytes if not self.buckets else self.cap_bytes
+        indices, numel = self.open.get(key, ([], 0))
+        if indices and 2 * numel * element_size >= cap and (numel + self.numels[index]) * element_size > cap:
+            self.close(key)  # half full, and this parameter would overflow it: it leaves without it
+            cap = self.cap_bytes
             indices, numel = [], 0
         indices.append(index)
-        numel += numels[index]
-        open_buckets[key] = (indices, numel)
+        numel += self.numels[index]
+        self.open[key] = (indices, numel)
         if numel * element_size >= cap:
-            close(key)
-    # What is left closes in the order the groups first appeared: the same on
-    # every rank, since it depends only on the inputs.
-    for key in list(open_buckets):
-        close(key)
-    return buckets
+            self.close(key)
+
+    def close(self, key: _Key) -> None:
+        indices, numel = self.open.pop(key)
+        self.buckets.append(BucketSpec(tuple(indices), key[0], key[1], numel))
+
+    def close_all(self) -> None:
+        for key in list(self.open):
+            self.close(key)
