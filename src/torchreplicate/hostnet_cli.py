@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from torchreplicate.hostnet import KILL_GRACE_S, HostNet
+from torchreplicate.hostnet import HostNet
+from torchreplicate.netns import KILL_GRACE_S
 
 
 def _forward_lines(prefix: str, source: IO[bytes]) -> None:
