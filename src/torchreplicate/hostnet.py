@@ -15,7 +15,8 @@ Each host is a network namespace with loopback up and one interface,
 hosts each have a veth to a bridge in a hub namespace. Nothing is created in
 the machine's own namespace and no host has a route beyond the /24, so no
 packet can leave the hosts; two runs at once, each in namespaces of its own,
-can use the same addresses and ports.
+can use the same addresses and ports. The ``ip``/``tc`` commands, the
+namespaces' names and their teardown are in netns.py.
 
 [Note: rate limit]
 Every host's interface has an egress ``tbf`` (token bucket) at ``rate``; with a
@@ -69,16 +70,17 @@ import enum
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple, Union
+
+from torchreplicate import netns
+from torchreplicate.netns import KILL_GRACE_S as KILL_GRACE_S  # public here too, where it began; unused here
+from torchreplicate.netns import CommandError, remove_stale  # public here too, where they began
 
 SUBNET_PREFIX = "10.213.7"  # host i has SUBNET_PREFIX.<i+1>/24; private, and only ever inside our namespaces
 INTERFACE = "veth0"  # every host's one interface, so one command line fits every host
@@ -86,23 +88,11 @@ MAX_HOSTS = 64
 TBF_LATENCY = "20ms"  # see [Note: rate limit]
 MIN_BURST_BYTES = 32 * 1024
 
-_NAME_PREFIX = "trh"  # torchreplicate hosts: trh<pid namespace>-<pid>-<token>-<h0|h1|...|hub|probe>
-_STALE_NAME = re.compile(rf"^{_NAME_PREFIX}(?P<pidns>\d+)-(?P<pid>\d+)-[0-9a-f]+-(?:h\d+|hub|probe)$")
-_COMMAND_TIMEOUT_S = 10.0  # any one `ip` or `tc` call
-KILL_GRACE_S = 3.0  # SIGTERM first, then SIGKILL after this (the command line waits as long)
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", re.IGNORECASE)
 _RATE_UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # SI, as tc reads them
 _DELAY = re.compile(r"\d+(?:\.\d+)?(?:us|ms|s)")
 
 Output = Union[int, IO[Any], None]  # what subprocess.Popen takes for stdin/stdout/stderr
-
-
-class CommandError(RuntimeError):
-    """An ``ip`` or ``tc`` command failed; carries its stderr."""
-
-    def __init__(self, argv: Sequence[str], detail: str) -> None:
-        super().__init__(f"`{' '.join(argv)}` failed: {detail}")
-        self.detail = detail  # the command's stderr, or why it did not finish
 
 
 def parse_rate(rate: str) -> float:
@@ -182,9 +172,7 @@ class HostNet:
 
     def __init__(self, *, num_hosts: int = 2, rate: str | None = "1gbit", delay: str | None = None) -> None:
         self.spec = NetSpec(num_hosts=num_hosts, rate=rate, delay=delay)
-        # - Names, fixed here: the pid keeps concurrent processes apart and
-        #   the token concurrent nets in one process.
-        self.tag = f"{_NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.tag = netns.new_tag()  # namespace names: <tag>-h0, <tag>-h1, ..., <tag>-hub
         self.hosts = tuple(
             Host(index=i, namespace=f"{self.tag}-h{i}", address=f"{SUBNET_PREFIX}.{i + 1}") for i in range(num_hosts)
         )
@@ -237,19 +225,7 @@ class HostNet:
             self.state = NetState.CLOSED
             return
         try:
-            for process in self._processes:
-                if process.poll() is None:
-                    process.terminate()  # also reaches one that has not entered its namespace yet
-            for namespace in reversed(self._created):
-                _kill_processes_in(namespace)
-            for process in self._processes:  # reap them: killed above, or exited before
-                try:
-                    process.wait(timeout=KILL_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=KILL_GRACE_S)
-            for namespace in reversed(self._created):
-                _try(["ip", "netns", "delete", namespace])
+            netns.delete_namespaces(self._created, self._processes)
             self._created.clear()
         finally:
             self.state = NetState.CLOSED
@@ -286,7 +262,7 @@ class HostNet:
         if not argv:
             raise ValueError("HostNet.run(): argv is empty; give the command to run")
         process = subprocess.Popen(
-            [_tool("ip"), "netns", "exec", self.hosts[host].namespace, *argv],
+            [netns.tool("ip"), "netns", "exec", self.hosts[host].namespace, *argv],
             env={**os.environ, **(env or {})},
             cwd=cwd,
             stdin=stdin,
@@ -312,33 +288,34 @@ class HostNet:
 
     def counters(self, host: int) -> LinkCounters:
         """Bytes received and sent by host ``host``'s interface so far."""
-        output = _check(["ip", "-n", self.hosts[host].namespace, "-j", "-s", "link", "show", "dev", INTERFACE])
+        output = netns.check(["ip", "-n", self.hosts[host].namespace, "-j", "-s", "link", "show", "dev", INTERFACE])
         stats = json.loads(output)[0]["stats64"]
         return LinkCounters(rx_bytes=int(stats["rx"]["bytes"]), tx_bytes=int(stats["tx"]["bytes"]))
 
     def _build(self) -> None:
         for namespace in self.namespaces:
-            _check(["ip", "netns", "add", namespace])
+            netns.check(["ip", "netns", "add", namespace])
             self._created.append(namespace)
         # Each end is made inside its namespace, never in the machine's own.
         hub = self.hub_namespace
         if hub is None:
             first, second = self.hosts
             veth = ["type", "veth", "peer", "name", INTERFACE, "netns", second.namespace]
-            _check(["ip", "link", "add", "name", INTERFACE, "netns", first.namespace, *veth])
+            netns.check(["ip", "link", "add", "name", INTERFACE, "netns", first.namespace, *veth])
         else:
-            _check(["ip", "-n", hub, "link", "add", "name", "br0", "type", "bridge"])  # STP off: ports forward at once
-            _check(["ip", "-n", hub, "link", "set", "br0", "up"])
+            # STP off: ports forward at once.
+            netns.check(["ip", "-n", hub, "link", "add", "name", "br0", "type", "bridge"])
+            netns.check(["ip", "-n", hub, "link", "set", "br0", "up"])
             for host in self.hosts:
                 port = f"port{host.index}"
                 veth = ["type", "veth", "peer", "name", port, "netns", hub]
-                _check(["ip", "link", "add", "name", INTERFACE, "netns", host.namespace, *veth])
-                _check(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"])
+                netns.check(["ip", "link", "add", "name", INTERFACE, "netns", host.namespace, *veth])
+                netns.check(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"])
                 self._shape(hub, port)  # the host's download: a switch port's egress
         for host in self.hosts:
-            _check(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE])
-            _check(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
-            _check(["ip", "-n", host.namespace, "link", "set", INTERFACE, "up"])
+            netns.check(["ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", INTERFACE])
+            netns.check(["ip", "-n", host.namespace, "link", "set", "lo", "up"])
+            netns.check(["ip", "-n", host.namespace, "link", "set", INTERFACE, "up"])
             self._shape(host.namespace, INTERFACE)
 
     def _shape(self, namespace: str, device: str) -> None:
@@ -347,7 +324,7 @@ class HostNet:
         if self.spec.delay is not None:
             try:
                 netem = ["netem", "delay", self.spec.delay]
-                _check(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
+                netns.check(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
             except CommandError as error:
                 raise RuntimeError(
                     f"HostNet(delay={self.spec.delay!r}): this kernel has no netem qdisc ({error.detail}), so "
@@ -356,7 +333,7 @@ class HostNet:
             parent = ["parent", "1:1"]
         if self.spec.rate is not None:
             tbf = ["tbf", "rate", self.spec.rate, "burst", str(self.spec.burst_bytes), "latency", TBF_LATENCY]
-            _check(["tc", "-n", namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", *tbf])
+            netns.check(["tc", "-n", namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", *tbf])
 
     def _install_signal_handlers(self) -> None:
         # Only where the signal would kill us without cleanup, and only from
@@ -376,118 +353,7 @@ class HostNet:
 
 def available() -> tuple[bool, str]:
     """Whether hosts can be made here, and why not: tries a namespace, a veth and a tbf."""
-    if not sys.platform.startswith("linux"):
-        return False, f"network namespaces are Linux only; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return False, f"creating network namespaces needs root; this process runs as uid {os.geteuid()}"
-    for name in ("ip", "tc"):
-        if _find_tool(name) is None:
-            return False, f"`{name}` not found; install iproute2 (scripts/setup.sh does, as root with apt-get)"
-    probe = f"{_NAME_PREFIX}{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(3)}-probe"
-    try:
-        _check(["ip", "netns", "add", probe])
-    except CommandError as error:
-        return False, f"cannot create a network namespace: {error}"
-    try:
-        _check(["ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b"])
-        tbf = ["tbf", "rate", "1gbit", "burst", str(MIN_BURST_BYTES), "latency", TBF_LATENCY]
-        _check(["tc", "-n", probe, "qdisc", "add", "dev", "a", "root", *tbf])
-    except CommandError as error:
-        return False, f"namespaces work but veth or tbf do not: {error}"
-    finally:
-        _try(["ip", "netns", "delete", probe])
-    return True, "network namespaces, veth and tbf work here"
-
-
-def remove_stale() -> list[str]:
-    """Deletes this tool's namespaces whose creating process is dead (a run killed outright); returns them.
-
-    Only names made in this pid namespace are judged, since a pid means
-    nothing in another one.
-    """
-    listing = _check(["ip", "netns", "list"])
-    removed = []
-    for line in listing.splitlines():
-        name = line.split(" ", 1)[0]
-        match = _STALE_NAME.match(name)
-        if match is None or int(match["pidns"]) != _pid_namespace() or _is_alive(int(match["pid"])):
-            continue
-        _kill_processes_in(name)
-        _try(["ip", "netns", "delete", name])
-        removed.append(name)
-    return removed
-
-
-def _kill_processes_in(namespace: str) -> None:
-    """SIGTERM to every process in ``namespace``, SIGKILL to any left after ``KILL_GRACE_S``."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        pids = _pids_in(namespace)
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + KILL_GRACE_S
-        while pids and time.monotonic() < deadline:
-            time.sleep(0.05)
-            pids = _pids_in(namespace)
-        if not pids:
-            return
-
-
-def _pids_in(namespace: str) -> list[int]:
-    try:
-        output = _check(["ip", "netns", "pids", namespace])
-    except CommandError:
-        return []  # the namespace is gone
-    return [int(pid) for pid in output.split() if int(pid) != os.getpid()]
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _pid_namespace() -> int:
-    return os.stat("/proc/self/ns/pid").st_ino
-
-
-def _find_tool(name: str) -> str | None:
-    # /usr/sbin is often missing from PATH outside a root login shell.
-    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-
-
-def _tool(name: str) -> str:
-    path = _find_tool(name)
-    if path is None:
-        raise RuntimeError(f"HostNet: `{name}` not found; install iproute2")
-    return path
-
-
-def _check(argv: list[str]) -> str:
-    """Runs an ``ip``/``tc`` command within ``_COMMAND_TIMEOUT_S``; its stdout, or ``CommandError``."""
-    try:
-        result = subprocess.run(
-            [_tool(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise CommandError(argv, f"no answer within {_COMMAND_TIMEOUT_S:.0f} s") from None
-    if result.returncode != 0:
-        raise CommandError(argv, result.stderr.strip() or f"exit status {result.returncode}")
-    return result.stdout
-
-
-def _try(argv: list[str]) -> None:
-    """As ``_check``, for clean-up: a failure is reported, not raised, so the rest still runs."""
-    try:
-        _check(argv)
-    except (CommandError, RuntimeError) as error:
-        print(f"hostnet: clean-up step failed: {error}", file=sys.stderr)
+    return netns.probe(["tbf", "rate", "1gbit", "burst", str(MIN_BURST_BYTES), "latency", TBF_LATENCY])
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:

@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from torchreplicate.hostnet import KILL_GRACE_S, HostNet
+from torchreplicate.hostnet import HostNet
+from torchreplicate.netns import KILL_GRACE_S
 
 
 def _forward_lines(prefix: str, source: IO[bytes]) -> None:
@@ -69,17 +70,7 @@ def _run_everywhere(net: HostNet, command: Sequence[str], timeout_s: float) -> i
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: ``python -m torchreplicate.hostnet [--hosts N] [--rate R] (shell | -- COMMAND ...)``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.hostnet",
-        description="Run COMMAND in each of N hosts (network namespaces joined by rate-limited links), "
-        "then delete them. Each host gets the variables of HostNet.env(i), so one torchrun line fits all: "
-        "torchrun --nnodes N ... --rdzv-backend c10d --rdzv-endpoint 10.213.7.1:29500 --rdzv-id JOB train.py",
-    )
-    parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
-    parser.add_argument("--rate", default="1gbit", help="link rate in tc's notation, or 'none' (default 1gbit)")
-    parser.add_argument("--delay", default=None, help="one-way delay, e.g. 5ms (needs netem; default none)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="'shell', or '-- COMMAND ARGS' for every host")
+    parser = _parser()
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
     if not command:
@@ -96,15 +87,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hostnet: {error}", file=sys.stderr)
         return 1
     try:
-        for host in net.hosts:
-            variables = " ".join(f"{key}={value}" for key, value in net.env(host.index).items())
-            print(
-                f"host {host.index}: {host.address} on {host.interface}; a shell there: "
-                f"ip netns exec {host.namespace} env {variables} bash",
-                file=sys.stderr,
-            )
+        _print_hosts(net)
         return (
             _run_shell(net, options.timeout) if command == ["shell"] else _run_everywhere(net, command, options.timeout)
         )
     finally:
         net.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchreplicate.hostnet",
+        description="Run COMMAND in each of N hosts (network namespaces joined by rate-limited links), "
+        "then delete them. Each host gets the variables of HostNet.env(i), so one torchrun line fits all: "
+        "torchrun --nnodes N ... --rdzv-backend c10d --rdzv-endpoint 10.213.7.1:29500 --rdzv-id JOB train.py",
+    )
+    parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    parser.add_argument("--rate", default="1gbit", help="link rate in tc's notation, or 'none' (default 1gbit)")
+    parser.add_argument("--delay", default=None, help="one-way delay, e.g. 5ms (needs netem; default none)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="kill everything after this many seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="'shell', or '-- COMMAND ARGS' for every host")
+    return parser
+
+
+def _print_hosts(net: HostNet) -> None:
+    # How to enter each host by hand, with the environment a program gets there.
+    for host in net.hosts:
+        variables = " ".join(f"{key}={value}" for key, value in net.env(host.index).items())
+        print(
+            f"host {host.index}: {host.address} on {host.interface}; a shell there: "
+            f"ip netns exec {host.namespace} env {variables} bash",
+            file=sys.stderr,
+        )

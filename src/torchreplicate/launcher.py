@@ -121,29 +121,9 @@ def launch(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"launch(): nprocs must be a positive int, got {nprocs!r}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_worker, args=(rank, nprocs, port, threads, fn, args, results), daemon=False)
-        for rank in range(nprocs)
-    ]
-    for process in processes:
-        process.start()
-    values: dict[int, Any] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    processes, results = _start_ranks(fn, args, nprocs, threads)
     try:
-        while len(values) < nprocs:
-            try:
-                rank, ok, value = results.get(timeout=0.05)
-            except queue.Empty:
-                _check_exits(processes, values)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them") from None
-                continue
-            if not ok:
-                raise WorkerError(rank, value)
-            values[rank] = value
+        values = _collect_results(results, processes, timeout_s)
         for process in processes:
             process.join(timeout=30)
     finally:
@@ -152,6 +132,44 @@ def launch(
                 process.kill()
             process.join(timeout=5)
     return [values[rank] for rank in range(nprocs)]
+
+
+def _start_ranks(
+    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, threads: int
+) -> tuple[list[BaseProcess], "multiprocessing.Queue[tuple[int, bool, Any]]"]:
+    # Spawned, not forked: forking a process that has started torch's threads can deadlock.
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes: list[BaseProcess] = [
+        context.Process(target=_worker, args=(rank, nprocs, port, threads, fn, args, results), daemon=False)
+        for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def _collect_results(
+    results: "multiprocessing.Queue[tuple[int, bool, Any]]",
+    processes: Sequence[BaseProcess],
+    timeout_s: Optional[float],
+) -> dict[int, Any]:
+    # Every rank's value, as they come; a rank that raised or died, or the deadline, raises.
+    values: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(values) < len(processes):
+        try:
+            rank, ok, value = results.get(timeout=0.05)
+        except queue.Empty:
+            _check_exits(processes, values)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them") from None
+            continue
+        if not ok:
+            raise WorkerError(rank, value)
+        values[rank] = value
+    return values
 
 
 def _check_exits(processes: Sequence[BaseProcess], values: dict[int, Any]) -> None:

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
-from torchreplicate.timeline import StepRecord
+from torchreplicate.timeline import BucketTimes, StepRecord
 
 STEP_ROW = 0  # tid of a rank's step row; bucket k is row 1 + k
 
@@ -148,6 +148,14 @@ def _row_names(
 
 def _step_events(spans: _Spans, record: StepRecord, layout: dict[int, BucketInfo]) -> list[dict[str, Any]]:
     # One synchronised step: its rows on the step line, then each bucket's.
+    events = _step_row_events(spans, record)
+    for bucket in record.buckets:
+        events += _bucket_row_events(spans, record.step, bucket, layout.get(bucket.index))
+    return events
+
+
+def _step_row_events(spans: _Spans, record: StepRecord) -> list[dict[str, Any]]:
+    # The step line: re-plan, backward; inside it the end of backward; inside that the waits and late rounds.
     step = record.step
     events: list[dict[str, Any]] = []
     if record.replan_ns is not None:
@@ -173,23 +181,27 @@ def _step_events(spans: _Spans, record: StepRecord, layout: dict[int, BucketInfo
         )
     for start_ns, end_ns in record.late_rounds:
         events.append(spans.span("late round", "exposed", STEP_ROW, start_ns, end_ns, step=step))
-    for bucket in record.buckets:
-        tid = 1 + bucket.index
-        if bucket.first_grad_ns is not None and bucket.first_grad_ns <= bucket.ready_ns:
-            name = f"bucket {bucket.index} gradients"
-            events.append(spans.span(name, "grads", tid, bucket.first_grad_ns, bucket.ready_ns, step=step))
-        args: dict[str, Any] = {
-            "step": step,
-            "launched_from": "gradient hook" if bucket.from_hook else "end of backward",
-            "first_grad_us": None if bucket.first_grad_ns is None else spans.us(bucket.first_grad_ns),
-            "ready_us": spans.us(bucket.ready_ns),
-        }
-        info = layout.get(bucket.index)
-        if info is not None:
-            args.update(bytes=info.nbytes, numel=info.numel, params=list(info.names))
-        events.append(
-            spans.span(f"bucket {bucket.index} reduce", "comm", tid, bucket.launch_ns, bucket.done_ns, **args)
-        )
+    return events
+
+
+def _bucket_row_events(
+    spans: _Spans, step: int, bucket: BucketTimes, info: Optional[BucketInfo]
+) -> list[dict[str, Any]]:
+    # Bucket k's line in one step: its gradients arriving (when seen), then its reduce.
+    tid = 1 + bucket.index
+    events: list[dict[str, Any]] = []
+    if bucket.first_grad_ns is not None and bucket.first_grad_ns <= bucket.ready_ns:
+        name = f"bucket {bucket.index} gradients"
+        events.append(spans.span(name, "grads", tid, bucket.first_grad_ns, bucket.ready_ns, step=step))
+    args: dict[str, Any] = {
+        "step": step,
+        "launched_from": "gradient hook" if bucket.from_hook else "end of backward",
+        "first_grad_us": None if bucket.first_grad_ns is None else spans.us(bucket.first_grad_ns),
+        "ready_us": spans.us(bucket.ready_ns),
+    }
+    if info is not None:
+        args.update(bytes=info.nbytes, numel=info.numel, params=list(info.names))
+    events.append(spans.span(f"bucket {bucket.index} reduce", "comm", tid, bucket.launch_ns, bucket.done_ns, **args))
     return events
 
 

@@ -107,22 +107,10 @@ class Tracer:
         plot: Union[bool, str, os.PathLike[str]] = True,
         max_steps: Optional[int] = 1000,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"trace(): path must be a str or os.PathLike, got {type(path).__name__}")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"trace(): max_steps must be a positive int or None, got {max_steps!r}")
-        if not isinstance(plot, (bool, str, os.PathLike)):
-            raise TypeError(f"trace(): plot must be a bool or a path, got {type(plot).__name__}")
-        try:
-            get_state(model)
-        except ValueError as error:
-            raise ValueError(f"trace(): {error}") from None
+        _check_arguments(path, model, plot, max_steps)
         # - Configuration
         self.path = os.fspath(path)
-        stem = os.path.splitext(self.path)[0]
-        self.plot_path: Optional[str] = (
-            (stem + ".png" if plot is True else os.fspath(plot)) if plot is not False else None
-        )
+        self.plot_path: Optional[str] = _plot_path(self.path, plot)
         self.max_steps = max_steps
         self._model: Optional[nn.Module] = model  # held while the context is open only
         # - Recorded on this rank, while open
@@ -169,45 +157,27 @@ class Tracer:
     ) -> None:
         model = self._model
         assert model is not None and self._open, "entered"
+        self._stop_recording(model)
+        group = get_state(model).group
+        self._model = None
+        mine = self._rank_trace()
+        if exc_type is not None:
+            # Another rank may be elsewhere (or dead): no collective, this rank's file only.
+            self._write_own_file(mine)
+            return None
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        if self._rank != 0:
+            return None
+        self._write_files(gathered)
+        return None
+
+    def _stop_recording(self, model: nn.Module) -> None:
         self._open = False
         unsubscribe(model, self._on_step)
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        state = get_state(model)
-        self._model = None
-        mine = self._rank_trace()
-        if exc_type is not None:
-            # Another rank may be elsewhere (or dead): no collective, this rank's file only.
-            stem, suffix = os.path.splitext(self.path)
-            own = f"{stem}.rank{self._rank}{suffix or '.json'}"
-            try:
-                self._write_json(own, chrome_trace([mine], **self._other_data(1)))
-            except OSError as error:  # never hide the block's own exception
-                warnings.warn(f"trace(): could not write {own}: {error}", stacklevel=2)
-            return None
-        group = state.group
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        if self._rank != 0:
-            return None
-        ranks: list[RankTrace] = gathered
-        self._write_json(self.path, chrome_trace(ranks, **self._other_data(len(ranks))))
-        if self.plot_path is not None:
-            try:
-                plot_trace(ranks, self.plot_path)
-                self.written.append(self.plot_path)
-            except ImportError:
-                warnings.warn("trace(): matplotlib is not installed, so no plot was written", stacklevel=2)
-        num_steps = max((len(r.exposed_ms) for r in ranks), default=0)
-        logger.info(
-            "torchreplicate: trace of %d synchronised step(s) on %d rank(s): %s (open the JSON in "
-            "https://ui.perfetto.dev or chrome://tracing)",
-            num_steps,
-            len(ranks),
-            " and ".join(self.written),
-        )
-        return None
 
     # -- recording -------------------------------------------------------------
 
@@ -246,6 +216,33 @@ class Tracer:
             num_dropped=self._num_dropped,
         )
 
+    def _write_files(self, ranks: list[RankTrace]) -> None:
+        # Rank 0, after the gather: the trace of every rank, the plot, and a log line saying where.
+        self._write_json(self.path, chrome_trace(ranks, **self._other_data(len(ranks))))
+        if self.plot_path is not None:
+            try:
+                plot_trace(ranks, self.plot_path)
+                self.written.append(self.plot_path)
+            except ImportError:  # stacklevel 3: the `with` statement, as if warned from __exit__
+                warnings.warn("trace(): matplotlib is not installed, so no plot was written", stacklevel=3)
+        num_steps = max((len(r.exposed_ms) for r in ranks), default=0)
+        logger.info(
+            "torchreplicate: trace of %d synchronised step(s) on %d rank(s): %s (open the JSON in "
+            "https://ui.perfetto.dev or chrome://tracing)",
+            num_steps,
+            len(ranks),
+            " and ".join(self.written),
+        )
+
+    def _write_own_file(self, mine: RankTrace) -> None:
+        # This rank's events only, to <path stem>.rank<r>.json, when the block raised.
+        stem, suffix = os.path.splitext(self.path)
+        own = f"{stem}.rank{self._rank}{suffix or '.json'}"
+        try:
+            self._write_json(own, chrome_trace([mine], **self._other_data(1)))
+        except OSError as error:  # never hide the block's own exception; stacklevel 3: the `with` statement
+            warnings.warn(f"trace(): could not write {own}: {error}", stacklevel=3)
+
     def _other_data(self, num_ranks: int) -> dict[str, Any]:
         return {
             "producer": f"torchreplicate {torchreplicate.__version__} trace()",
@@ -262,6 +259,32 @@ class Tracer:
             json.dump(content, file, separators=(",", ":"))
         os.replace(partial, path)
         self.written.append(path)
+
+
+def _check_arguments(
+    path: Union[str, os.PathLike[str]],
+    model: nn.Module,
+    plot: Union[bool, str, os.PathLike[str]],
+    max_steps: Optional[int],
+) -> None:
+    # trace()'s arguments, refused at the call rather than at entry or exit.
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"trace(): path must be a str or os.PathLike, got {type(path).__name__}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"trace(): max_steps must be a positive int or None, got {max_steps!r}")
+    if not isinstance(plot, (bool, str, os.PathLike)):
+        raise TypeError(f"trace(): plot must be a bool or a path, got {type(plot).__name__}")
+    try:
+        get_state(model)
+    except ValueError as error:
+        raise ValueError(f"trace(): {error}") from None
+
+
+def _plot_path(path: str, plot: Union[bool, str, os.PathLike[str]]) -> Optional[str]:
+    # True: next to the trace file, with the suffix .png; False: no plot.
+    if plot is False:
+        return None
+    return os.path.splitext(path)[0] + ".png" if plot is True else os.fspath(plot)
 
 
 def bucket_layout(reducer: Any) -> tuple[BucketInfo, ...]:
