@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from torchreplicate.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.dtensors import local
@@ -70,6 +70,16 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
     all_reduce(vector, group, None if state.watch is None else state.watch.timeout)
     present = [r for r, v in enumerate(vector[:world_size].tolist()) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
+
+
+def training_join_round(state: ReplicateState) -> JoinRound:
+    """What a rank still training runs before its forward inside a Join: steps 1 and 2 of [Note: join]."""
+    joinable: Any = state.module
+    Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
+    verdict = join_round(state, training=True)
+    if state.reducer is not None and state.join_divides_by_training:
+        state.reducer.reduction.set_divide_factor(float(verdict.num_training))
+    return verdict
 
 
 class ReplicateJoinHook(JoinHook):
