@@ -17,8 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchreplicate import torch_internals
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
+from torchreplicate.nested import class_name, is_fully_sharded
 from torchreplicate.registry import enclosing_state, find_state, get_state, register_state, unregister_state
-from torchreplicate.state import ReplicateState, class_name, is_fully_sharded, warn_no_effect
+from torchreplicate.state import ReplicateState, warn_no_effect
 
 
 class ReplicateModule:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate import forward_hooks, torch_internals
+from torchreplicate import forward_hooks, nested, torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
@@ -25,28 +25,15 @@ from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.join import ReplicateJoinHook
 from torchreplicate.mixed_precision import MixedPrecision
+from torchreplicate.nested import class_name, is_fully_sharded  # also importable from here, as before
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.registry import find_state, registration_count
+from torchreplicate.registry import registration_count
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.watchdog import StallWatch
 
 MiB = 1024 * 1024
-
-
-def class_name(module: nn.Module) -> str:
-    """The module's class name as the user wrote it (not replicate()'s subclass)."""
-    return getattr(type(module), "original_class", type(module)).__name__
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """Whether PyTorch's ``fully_shard`` (FSDP2) manages ``module``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
 
 
 class ReplicateState:
@@ -217,26 +204,15 @@ class ReplicateState:
     def adopt_into(self, outer: ReplicateState) -> None:
         """Hands this module's reduction to ``outer``, an enclosing replicated module.
 
-        [Note: nested replicate] Applied per block and then to the root (as
-        torchtitan applies data parallelism), every parameter is reduced once,
-        by the outermost module's reducer, in one collective sequence (rank-
-        dependent graphs stay exact): the inner modules give up their reducers
-        and forward work, and their parameters travel in buckets of their
-        own. The nested modules must agree on how gradients are reduced.
+        It gives up its reducer, its forward work and its watchdog; see
+        [Note: nested replicate] in nested.py.
 
         Raises:
-            ValueError: an option that decides the reduction differs.
+            ValueError: an option that decides the reduction differs, or the process group.
         """
         if self._adopted_by is not None and self._adopted_by() is outer:
             return
-        for option in ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor"):
-            mine, theirs = getattr(self.config, option), getattr(outer.config, option)
-            if mine != theirs:
-                raise ValueError(
-                    f"replicate(): nested replicate() calls disagree on {option} ({class_name(self.module)}: "
-                    f"{mine}, the enclosing {class_name(outer.module)}: {theirs}); the outermost reduces "
-                    "every parameter in one collective sequence, so pass the same options to both"
-                )
+        nested.check_same_reduction(self, outer)
         if self._group is not None and outer._group is not None and self.group is not outer.group:
             raise ValueError(
                 f"replicate(): nested replicate() calls use different process groups ({class_name(self.module)} "
@@ -315,22 +291,10 @@ class ReplicateState:
     def _make_plan(self) -> Plan:
         self.planned_stamp = self.stamp()
         module = self.module
-        for sharded in torch_internals.fully_sharded_modules():
-            if sharded is not module and any(m is module for m in sharded.modules()):
-                raise RuntimeError(
-                    f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "
-                    "managed by fully_shard, which already reduces its gradients; replicate() would "
-                    "average them a second time. Apply fully_shard to children and replicate() to "
-                    "the root, or only one of them"
-                )
+        nested.refuse_inside_fully_shard(module)
         skipped = list(self.config.ignored_modules)
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        inner = [m for m in module.modules() if m is not module and find_state(m) is not None]
-        for submodule in inner:
-            state = find_state(submodule)
-            assert state is not None
-            state.adopt_into(self)
-        return make_plan(module, skipped, inner)
+        return make_plan(module, skipped, nested.adopt_inner(self))
 
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
