@@ -17,15 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate import forward_hooks, nested, torch_internals
+from torchreplicate import forward_hooks, join, nested, torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
-from torchreplicate.join import ReplicateJoinHook
 from torchreplicate.mixed_precision import MixedPrecision
-from torchreplicate.nested import class_name, is_fully_sharded  # also importable from here, as before
+from torchreplicate.nested import class_name, is_fully_sharded
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
 from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
@@ -230,16 +229,9 @@ class ReplicateState:
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
-    def join_hook(self, **kwargs: Any) -> ReplicateJoinHook:
+    def join_hook(self, **kwargs: Any) -> join.ReplicateJoinHook:
         """The hook torch's ``Join`` runs on a rank that ran out of inputs; starts the join rounds."""
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise TypeError(
-                f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size"
-            )
-        divide_by_initial = kwargs.get("divide_by_initial_world_size", True)
-        self.join_divides_by_training = not divide_by_initial
-        return ReplicateJoinHook(self, divide_by_initial)
+        return join.start_join(self, kwargs)
 
     @property
     def joining(self) -> bool:
@@ -249,10 +241,7 @@ class ReplicateState:
 
     def end_join(self) -> None:
         """Every rank joined: back to no join rounds and the usual divisor."""
-        self.join_divides_by_training = False
-        torch_internals.disable_join(self.module)
-        if self.reducer is not None:
-            self.reducer.reduction.set_divide_factor(float(self.config.gradient_divide_factor or self.world_size))
+        join.end_join(self)
 
     def note_conversion(self) -> None:
         """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
