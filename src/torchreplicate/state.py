@@ -19,6 +19,7 @@ from torch import nn
 
 from torchreplicate import forward_hooks, join, nested, torch_internals
 from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.comm_hooks import check_hook_options
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
@@ -127,17 +128,7 @@ class ReplicateState:
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """See ``ReplicateModule.register_comm_hook``."""
         reduction = HookReduction(state, hook)  # checks the hook's signature
-        for option in ("reduce_dtype", "gradient_divide_factor", "mp_policy"):
-            value = getattr(self.config, option)
-            if option == "mp_policy" and value is not None and self.config.wire_dtype in (None, torch.float32):
-                continue  # a policy that keeps fp32 gradients on the wire leaves the wire to the hook
-            if value is not None:
-                raise ValueError(
-                    f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
-                    f"how gradients are reduced; drop {option} (the hook owns the wire format and "
-                    "the averaging, e.g. bf16_compress_hook; with mp_policy, set its "
-                    "reduce_dtype=torch.float32)"
-                )
+        check_hook_options(self.config)
         if isinstance(self.reduction, HookReduction):
             raise RuntimeError(
                 "register_comm_hook(): a comm hook is already registered; it can be registered only once"
@@ -309,7 +300,7 @@ class ReplicateState:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
-            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self._wire_options()
+            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self.config.wire_options
         )
         if self.world_size > 1 and to_broadcast:
             broadcast_coalesced(to_broadcast, self.group)
@@ -319,17 +310,6 @@ class ReplicateState:
             weakref.finalize(self, self.watch.stop)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self.build_reducer(learned)
-
-    def _wire_options(self) -> dict[str, str]:
-        # What decides the size and order of every collective: it must agree.
-        config = self.config
-        return {
-            "bucket_cap_mb": str(config.bucket_cap_mb),
-            "first_bucket_cap_mb": str(config.first_bucket_cap_mb),
-            "reduce_dtype": str(config.wire_dtype),
-            "param_dtype": str(None if config.mp_policy is None else config.mp_policy.param_dtype),
-            "broadcast_buffers": str(config.broadcast_buffers),
-        }
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
         """A reducer for the current plan, with this module's options (what a re-plan builds).
