@@ -347,6 +347,14 @@ class ReplicateState:
         return torch.device("cpu")
 
 
-def warn_no_effect(option: str, value: Any, why: str) -> None:
-    """Warns that a DDP option is accepted for compatibility but changes nothing."""
-    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=3)
+def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
+    """Warns that a DDP option is accepted for compatibility but changes nothing.
+
+    Args:
+        option: the option's name.
+        value: the value given.
+        why: why it changes nothing.
+        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
+            caller of the function that calls this one.
+    """
+    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)
