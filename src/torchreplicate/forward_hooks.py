@@ -4,8 +4,8 @@ Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check ([Note: re-planning] in plan.py) and
 the buffer broadcast; inputs cast (mp_policy). After it: outputs cast, and a
 hook on each output that queues the reducer's end-of-backward work. Both
-hooks run at every forward, so they stay flat: one call from the hook to the
-work, no helpers in between.
+hooks run at every forward, so they stay flat: bound methods registered
+directly, calling plain functions, with no wrapper layers between.
 """
 
 from __future__ import annotations
