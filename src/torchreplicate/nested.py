@@ -9,9 +9,10 @@ travel in buckets of their own. The nested modules must agree on how
 gradients are reduced.
 
 Refused: ``replicate()`` on a module inside one it was already applied to
-(apply it to the blocks first), and on a module inside one ``fully_shard``
-manages, which already reduces its gradients. Children that ``fully_shard``
-manages are left to it (the plan skips them).
+(apply it to the blocks first; api.py refuses it), and on a module inside
+one ``fully_shard`` manages, which already reduces its gradients (here, at
+every plan). Children that ``fully_shard`` manages are left to it (the plan
+skips them).
 """
 
 from __future__ import annotations
