@@ -17,8 +17,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchreplicate import torch_internals
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
+from torchreplicate.nested import class_name, is_fully_sharded
 from torchreplicate.registry import enclosing_state, find_state, get_state, register_state, unregister_state
-from torchreplicate.state import ReplicateState, class_name, is_fully_sharded, warn_no_effect
+from torchreplicate.state import ReplicateState, warn_no_effect
 
 
 class ReplicateModule:
@@ -254,11 +255,7 @@ def replicate(
     """
     _refuse_unsupported(module)
     device = to_device(device_id)
-    if mesh is not None and device_mesh is not None:
-        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
-    process_group = resolve_group(
-        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
-    )
+    process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
         device_id=device,
@@ -273,10 +270,36 @@ def replicate(
         stall_timeout=stall_timeout,
         mp_policy=mp_policy,
     )
+    _warn_ddp_only_options(find_unused_parameters, static_graph)
+    return _attach_state(module, config, process_group)
+
+
+replicate.state = get_state  # type: ignore[attr-defined]
+
+
+def _process_group(
+    process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], device_mesh: Optional[DeviceMesh]
+) -> Optional[dist.ProcessGroup]:
+    # The group to average over: process_group=, or the group of a mesh under either name.
+    if mesh is not None and device_mesh is not None:
+        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
+    return resolve_group(
+        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
+    )
+
+
+def _warn_ddp_only_options(find_unused_parameters: bool, static_graph: bool) -> None:
+    # DDP options accepted so that DDP call sites run unchanged; the warnings
+    # point at replicate()'s caller (stacklevel 4: warn_no_effect, here, replicate()).
     if find_unused_parameters:
-        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost")
+        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost", stacklevel=4)
     if static_graph:
-        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps")
+        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps", stacklevel=4)
+
+
+def _attach_state(module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup]) -> nn.Module:
+    # Registers the module's state and runs its set-up (undone if that fails),
+    # then makes the module a ReplicateModule; returns it.
     state = ReplicateState(module, config, process_group)
     register_state(module, state)
     try:
@@ -288,9 +311,6 @@ def replicate(
     module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
     torch_internals.disable_join(module)  # torch's join config, disabled until a Join
     return module
-
-
-replicate.state = get_state  # type: ignore[attr-defined]
 
 
 def _refuse_unsupported(module: object) -> None:

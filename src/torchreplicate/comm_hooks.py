@@ -10,10 +10,13 @@ reduced, averaged gradients. The stock hooks of
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torchreplicate.config import ReplicateConfig
 
 CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[torch.Tensor]"]
 
@@ -96,6 +99,25 @@ def check_comm_hook(hook: Any) -> None:
             f"(state, bucket), but {getattr(hook, '__name__', hook)!r} has signature "
             f"{signature}"
         ) from None
+
+
+def check_hook_options(config: ReplicateConfig) -> None:
+    """Refuses ``replicate()`` options that decide what a comm hook decides (the wire format, the averaging).
+
+    Raises:
+        ValueError: naming the option to drop.
+    """
+    for option in ("reduce_dtype", "gradient_divide_factor", "mp_policy"):
+        value = getattr(config, option)
+        if option == "mp_policy" and value is not None and config.wire_dtype in (None, torch.float32):
+            continue  # a policy that keeps fp32 gradients on the wire leaves the wire to the hook
+        if value is not None:
+            raise ValueError(
+                f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
+                f"how gradients are reduced; drop {option} (the hook owns the wire format and "
+                "the averaging, e.g. bf16_compress_hook; with mp_policy, set its "
+                "reduce_dtype=torch.float32)"
+            )
 
 
 def hook_result(value: Any, bucket: GradBucket) -> torch.Tensor:

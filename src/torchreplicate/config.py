@@ -52,6 +52,17 @@ class ReplicateConfig:
         value = self.stall_timeout
         return value.total_seconds() if isinstance(value, timedelta) else value
 
+    @property
+    def wire_options(self) -> dict[str, str]:
+        """What decides the size and order of every collective, as text: every rank must agree on it."""
+        return {
+            "bucket_cap_mb": str(self.bucket_cap_mb),
+            "first_bucket_cap_mb": str(self.first_bucket_cap_mb),
+            "reduce_dtype": str(self.wire_dtype),
+            "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
+            "broadcast_buffers": str(self.broadcast_buffers),
+        }
+
     def __post_init__(self) -> None:
         self._check_switches()
         self._check_sizes()

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
+from torchreplicate import torch_internals
 from torchreplicate.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.dtensors import local
 from torchreplicate.flags import num_flags
@@ -72,6 +73,26 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
     return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
 
 
+def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinHook:
+    """torch's ``join_hook(**options)`` for a replicated module: the hook, and the divisor it asks for."""
+    unknown = set(options) - {"divide_by_initial_world_size"}
+    if unknown:
+        raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")
+    divide_by_initial = options.get("divide_by_initial_world_size", True)
+    state.join_divides_by_training = not divide_by_initial
+    return ReplicateJoinHook(state, divide_by_initial)
+
+
+def training_join_round(state: ReplicateState) -> JoinRound:
+    """What a rank still training runs before its forward inside a Join: steps 1 and 2 of [Note: join]."""
+    joinable: Any = state.module
+    Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
+    verdict = join_round(state, training=True)
+    if state.reducer is not None and state.join_divides_by_training:
+        state.reducer.reduction.set_divide_factor(float(verdict.num_training))
+    return verdict
+
+
 class ReplicateJoinHook(JoinHook):
     """What a joined rank runs for a replicated module; see [Note: join].
 
@@ -102,7 +123,15 @@ class ReplicateJoinHook(JoinHook):
         tensors: list[Any] = [local(p).detach() for p in state.plan.candidates] + state.plan.buffer_values()
         if tensors:
             broadcast_coalesced(tensors, group, src_rank=int(mark.item()))
-        state.end_join()
+        end_join(state)
+
+
+def end_join(state: ReplicateState) -> None:
+    """Every rank joined: back to no join rounds and the usual divisor."""
+    state.join_divides_by_training = False
+    torch_internals.disable_join(state.module)
+    if state.reducer is not None:
+        state.reducer.reduction.set_divide_factor(float(state.config.gradient_divide_factor or state.world_size))
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ parameters replaced by ``load_state_dict(assign=True)``, ``fully_shard``
 applied to a child, ``model.double()`` / ``model.to(...)``, torch's
 optimizer-in-backward applied to parameters. Walking the module tree every
 forward costs ~0.5 ms for 256 parameters, so each forward compares a stamp
-(``ReplicateState._stamp``) instead:
+(``ReplicateState.stamp``) instead:
 
 - a process-wide counter that torch's global module registration hooks bump
   whenever any module registers a parameter, buffer or submodule (registry.py);

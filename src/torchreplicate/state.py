@@ -1,53 +1,39 @@
-"""Per-module state of a replicated module: set-up, re-planning and forward hooks.
+"""Per-module state of a replicated module: set-up and re-planning.
 
 ``ReplicateState`` decides what is replicated (plan.py), checks it across
 ranks, broadcasts rank 0's values, builds the reducer, installs the forward
 hooks, and re-plans when what is replicated changes ([Note: re-planning] in
-plan.py). Gradient reduction itself is in reducer.py.
+plan.py). The forward hooks themselves are in forward_hooks.py, gradient
+reduction in reducer.py.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join
 
-from torchreplicate import torch_internals
-from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
+from torchreplicate import forward_hooks, join, nested, torch_internals
+from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.comm_hooks import check_hook_options
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
 from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
-from torchreplicate.join import JoinRound, ReplicateJoinHook, join_round
 from torchreplicate.mixed_precision import MixedPrecision
+from torchreplicate.nested import class_name, is_fully_sharded
 from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
-from torchreplicate.profiling import labelled
 from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.registry import find_state, registration_count
+from torchreplicate.registry import registration_count
 from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
 from torchreplicate.watchdog import StallWatch
 
 MiB = 1024 * 1024
-
-
-def class_name(module: nn.Module) -> str:
-    """The module's class name as the user wrote it (not replicate()'s subclass)."""
-    return getattr(type(module), "original_class", type(module)).__name__
-
-
-def is_fully_sharded(module: nn.Module) -> bool:
-    """Whether PyTorch's ``fully_shard`` (FSDP2) manages ``module``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
 
 
 class ReplicateState:
@@ -71,7 +57,7 @@ class ReplicateState:
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
-        self._planned_stamp: tuple[int, ...] = ()
+        self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
         self._num_conversions = 0  # ReplicateModule._apply calls (.to(), .double(), ...)
         # - Reduction. How gradients are reduced (from the options, or a
         #   registered comm hook) and whether they are: kept here, so every
@@ -84,17 +70,15 @@ class ReplicateState:
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline (trace.py)
-        self._num_forwards = 0  # forwards of the root with gradients enabled
+        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
         # nested replicate(): the state of an enclosing replicated module, which
         # reduces this module's parameters in its own collective sequence
         self._adopted_by: Optional[weakref.ref[ReplicateState]] = None
         # inside torch's Join with divide_by_initial_world_size=False: the sum is
         # divided by the ranks still training ([Note: join] in join.py)
-        self._join_divides_by_training = False
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward),
-        ]
+        self.join_divides_by_training = False
+        # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
+        self._handles = forward_hooks.ForwardHooks(self).install(module)
 
     # -- public --------------------------------------------------------------
 
@@ -144,17 +128,7 @@ class ReplicateState:
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """See ``ReplicateModule.register_comm_hook``."""
         reduction = HookReduction(state, hook)  # checks the hook's signature
-        for option in ("reduce_dtype", "gradient_divide_factor", "mp_policy"):
-            value = getattr(self.config, option)
-            if option == "mp_policy" and value is not None and self.config.wire_dtype in (None, torch.float32):
-                continue  # a policy that keeps fp32 gradients on the wire leaves the wire to the hook
-            if value is not None:
-                raise ValueError(
-                    f"register_comm_hook(): replicate({option}={value}) and a comm hook both decide "
-                    f"how gradients are reduced; drop {option} (the hook owns the wire format and "
-                    "the averaging, e.g. bf16_compress_hook; with mp_policy, set its "
-                    "reduce_dtype=torch.float32)"
-                )
+        check_hook_options(self.config)
         if isinstance(self.reduction, HookReduction):
             raise RuntimeError(
                 "register_comm_hook(): a comm hook is already registered; it can be registered only once"
@@ -167,9 +141,9 @@ class ReplicateState:
         if self.reducer is None:
             # World size 1 runs no reducer until a hook asks for one; it cannot
             # have counted backwards, so forwards stand in for them.
-            if self._num_forwards:
+            if self.num_forwards:
                 raise RuntimeError(
-                    f"register_comm_hook(): training already ran {self._num_forwards} forward(s); "
+                    f"register_comm_hook(): training already ran {self.num_forwards} forward(s); "
                     "register the hook before the first backward (at world size 1: before the "
                     "first forward)"
                 )
@@ -204,20 +178,13 @@ class ReplicateState:
 
         What a deep copy or a pickle of the module holds (``ReplicateModule.__reduce_ex__``).
         """
-        drop: dict[int, set[Any]] = {}  # id(hook dict) -> our keys in it
-        for handle in self._handles:
-            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
-                hooks = ref()
-                if hooks is not None:
-                    drop.setdefault(id(hooks), set()).add(handle.id)
-        copied = dict(attributes)
+        copied = forward_hooks.without_hooks(attributes, self._handles)
         copied.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
-        for name, value in attributes.items():
-            if isinstance(value, dict) and id(value) in drop:
-                kept = type(value)()
-                kept.update((k, v) for k, v in value.items() if k not in drop[id(value)])
-                copied[name] = kept
         return copied
+
+    def broadcast_buffers_from(self, source: int) -> None:
+        """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
+        forward_hooks.broadcast_buffers_from(self, source)
 
     @property
     def adopted(self) -> bool:
@@ -227,26 +194,15 @@ class ReplicateState:
     def adopt_into(self, outer: ReplicateState) -> None:
         """Hands this module's reduction to ``outer``, an enclosing replicated module.
 
-        [Note: nested replicate] Applied per block and then to the root (as
-        torchtitan applies data parallelism), every parameter is reduced once,
-        by the outermost module's reducer, in one collective sequence (rank-
-        dependent graphs stay exact): the inner modules give up their reducers
-        and forward work, and their parameters travel in buckets of their
-        own. The nested modules must agree on how gradients are reduced.
+        It gives up its reducer, its forward work and its watchdog; see
+        [Note: nested replicate] in nested.py.
 
         Raises:
-            ValueError: an option that decides the reduction differs.
+            ValueError: an option that decides the reduction differs, or the process group.
         """
         if self._adopted_by is not None and self._adopted_by() is outer:
             return
-        for option in ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor"):
-            mine, theirs = getattr(self.config, option), getattr(outer.config, option)
-            if mine != theirs:
-                raise ValueError(
-                    f"replicate(): nested replicate() calls disagree on {option} ({class_name(self.module)}: "
-                    f"{mine}, the enclosing {class_name(outer.module)}: {theirs}); the outermost reduces "
-                    "every parameter in one collective sequence, so pass the same options to both"
-                )
+        nested.check_same_reduction(self, outer)
         if self._group is not None and outer._group is not None and self.group is not outer.group:
             raise ValueError(
                 f"replicate(): nested replicate() calls use different process groups ({class_name(self.module)} "
@@ -264,16 +220,9 @@ class ReplicateState:
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
-    def join_hook(self, **kwargs: Any) -> ReplicateJoinHook:
+    def join_hook(self, **kwargs: Any) -> join.ReplicateJoinHook:
         """The hook torch's ``Join`` runs on a rank that ran out of inputs; starts the join rounds."""
-        unknown = set(kwargs) - {"divide_by_initial_world_size"}
-        if unknown:
-            raise TypeError(
-                f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size"
-            )
-        divide_by_initial = kwargs.get("divide_by_initial_world_size", True)
-        self._join_divides_by_training = not divide_by_initial
-        return ReplicateJoinHook(self, divide_by_initial)
+        return join.start_join(self, kwargs)
 
     @property
     def joining(self) -> bool:
@@ -281,20 +230,9 @@ class ReplicateState:
         config = getattr(self.module, "_join_config", None)
         return config is not None and bool(config.enable)
 
-    def _join_round(self) -> JoinRound:
-        joinable: Any = self.module
-        Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
-        verdict = join_round(self, training=True)
-        if self.reducer is not None and self._join_divides_by_training:
-            self.reducer.reduction.set_divide_factor(float(verdict.num_training))
-        return verdict
-
     def end_join(self) -> None:
         """Every rank joined: back to no join rounds and the usual divisor."""
-        self._join_divides_by_training = False
-        torch_internals.disable_join(self.module)
-        if self.reducer is not None:
-            self.reducer.reduction.set_divide_factor(float(self.config.gradient_divide_factor or self.world_size))
+        join.end_join(self)
 
     def note_conversion(self) -> None:
         """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
@@ -321,8 +259,8 @@ class ReplicateState:
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
         self._adopt(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
 
-    def _stamp(self) -> tuple[int, ...]:
-        # [Note: re-planning]: what moves when the plan may have changed
+    def stamp(self) -> tuple[int, ...]:
+        """What moves when the plan may have changed ([Note: re-planning])."""
         return (
             registration_count(),
             self._num_conversions,
@@ -331,26 +269,15 @@ class ReplicateState:
         )
 
     def _make_plan(self) -> Plan:
-        self._planned_stamp = self._stamp()
+        self.planned_stamp = self.stamp()
         module = self.module
-        for sharded in torch_internals.fully_sharded_modules():
-            if sharded is not module and any(m is module for m in sharded.modules()):
-                raise RuntimeError(
-                    f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "
-                    "managed by fully_shard, which already reduces its gradients; replicate() would "
-                    "average them a second time. Apply fully_shard to children and replicate() to "
-                    "the root, or only one of them"
-                )
+        nested.refuse_inside_fully_shard(module)
         skipped = list(self.config.ignored_modules)
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        inner = [m for m in module.modules() if m is not module and find_state(m) is not None]
-        for submodule in inner:
-            state = find_state(submodule)
-            assert state is not None
-            state.adopt_into(self)
-        return make_plan(module, skipped, inner)
+        return make_plan(module, skipped, nested.adopt_inner(self))
 
-    def _replan_if_changed(self) -> None:
+    def replan_if_changed(self) -> None:
+        """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
         plan = self._make_plan()
         if not plan.same_as(self.plan):
             self._adopt(plan, new_tensors(self.plan, plan))
@@ -373,7 +300,7 @@ class ReplicateState:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
-            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self._wire_options()
+            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self.config.wire_options
         )
         if self.world_size > 1 and to_broadcast:
             broadcast_coalesced(to_broadcast, self.group)
@@ -383,17 +310,6 @@ class ReplicateState:
             weakref.finalize(self, self.watch.stop)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self.build_reducer(learned)
-
-    def _wire_options(self) -> dict[str, str]:
-        # What decides the size and order of every collective: it must agree.
-        config = self.config
-        return {
-            "bucket_cap_mb": str(config.bucket_cap_mb),
-            "first_bucket_cap_mb": str(config.first_bucket_cap_mb),
-            "reduce_dtype": str(config.wire_dtype),
-            "param_dtype": str(None if config.mp_policy is None else config.mp_policy.param_dtype),
-            "broadcast_buffers": str(config.broadcast_buffers),
-        }
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
         """A reducer for the current plan, with this module's options (what a re-plan builds).
@@ -430,99 +346,15 @@ class ReplicateState:
             return local(tensor).device
         return torch.device("cpu")
 
-    # -- forward hooks -------------------------------------------------------
 
-    @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
-    @labelled("pre_forward")
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
-        self._sync_before_forward()
-        if self.mixed is None or self.adopted:
-            return None
-        cast = self.mixed.cast_inputs_of((args, kwargs))
-        return None if cast is None else (cast[0], cast[1])
+def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
+    """Warns that a DDP option is accepted for compatibility but changes nothing.
 
-    def _sync_before_forward(self) -> None:
-        if not torch.is_grad_enabled() or self.adopted:
-            return  # no collective: one rank may evaluate alone ([Note: re-planning])
-        buffer_source = 0
-        if self.joining:  # inside a Join context ([Note: join] in join.py)
-            buffer_source = self._join_round().source
-        self._num_forwards += 1
-        if self.watch is not None:
-            step = 0 if self.reducer is None else self.reducer.num_steps
-            self.watch.at("forward", step)
-        plan = self.plan
-        if self._stamp() != self._planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
-            self._replan_if_changed()
-        self.broadcast_buffers_from(buffer_source)
-
-    def broadcast_buffers_from(self, source: int) -> None:
-        """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
-        if not (self.config.broadcast_buffers and self.plan.buffers and self.world_size > 1):
-            return
-        # Out of place: a graph from an earlier forward may have saved the old
-        # tensors (two forwards through BatchNorm before one backward). Set
-        # through _buffers, not setattr: setattr would run every global buffer
-        # registration hook, ours included ([Note: re-planning]), at every forward.
-        watch = self.watch
-        try:
-            fresh = broadcast_coalesced(
-                self.plan.buffer_values(),
-                self.group,
-                src_rank=source,
-                in_place=False,
-                timeout=None if watch is None else watch.timeout,
-            )
-        except RuntimeError as error:
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
-        for (owner, name), tensor in zip(self.plan.buffers, fresh, strict=True):
-            module = owner()
-            assert module is not None, "a buffer's owner outlives the plan while the root lives"
-            module._buffers[name] = tensor
-
-    @torch.compiler.disable  # the outputs get real (eager) hooks
-    @labelled("post_forward")
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.adopted:
-            return output  # nested replicate: the enclosing module does this work
-        if self.mixed is not None:
-            output = self.mixed.cast_output(output)
-        reducer = self.reducer
-        if reducer is None or not torch.is_grad_enabled():
-            return output
-        for tensor in _tensors_in(output):
-            if tensor.requires_grad:
-                tensor.register_hook(_OutputGradHook(reducer))
-        return output
-
-
-class _OutputGradHook:
-    # Queues the reducer's end-of-backward work from the outermost backward
-    # pass ([Note: end of backward] in reducer.py).
-    __slots__ = ("reducer",)
-
-    def __init__(self, reducer: Reducer) -> None:
-        self.reducer = reducer
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
-            self.reducer.queue_finalize()
-        return grad  # not None: traced under compiled autograd, the return value is the gradient
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-
-
-def warn_no_effect(option: str, value: Any, why: str) -> None:
-    """Warns that a DDP option is accepted for compatibility but changes nothing."""
-    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=3)
+    Args:
+        option: the option's name.
+        value: the value given.
+        why: why it changes nothing.
+        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
+            caller of the function that calls this one.
+    """
+    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)

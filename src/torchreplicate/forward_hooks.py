@@ -1,0 +1,167 @@
+"""The forward hooks ``replicate()`` installs on the replicated root.
+
+Before each forward with gradients enabled: the join round (inside a Join),
+the watchdog's mark, the re-plan check ([Note: re-planning] in plan.py) and
+the buffer broadcast; inputs cast (mp_policy). After it: outputs cast, and a
+hook on each output that queues the reducer's end-of-backward work. Both
+hooks run at every forward, so they stay flat: bound methods registered
+directly, calling plain functions, with no wrapper layers between.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchreplicate.collectives import broadcast_coalesced, is_transport_error
+from torchreplicate.join import training_join_round
+from torchreplicate.profiling import labelled
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer import Reducer
+    from torchreplicate.state import ReplicateState
+
+
+class ForwardHooks:
+    """The forward pre-hook and post-hook of one replicated module.
+
+    The module's hook dicts hold this object, and through it the state; the
+    state holds only the handles, so no reference cycle keeps a discarded
+    model's state (and its watchdog) alive.
+
+    Args:
+        state: the module's state.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: ReplicateState) -> None:
+        self.state = state
+
+    def install(self, module: nn.Module) -> list[RemovableHandle]:
+        """Registers both hooks on ``module`` (the pre-hook first of all); returns their handles."""
+        return [
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self.post_forward),
+        ]
+
+    @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
+    @labelled("pre_forward")
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        """Runs before every forward of the root; returns cast inputs, or None to keep them."""
+        state = self.state
+        sync_before_forward(state)
+        if state.mixed is None or state.adopted:
+            return None
+        cast = state.mixed.cast_inputs_of((args, kwargs))
+        return None if cast is None else (cast[0], cast[1])
+
+    @torch.compiler.disable  # the outputs get real (eager) hooks
+    @labelled("post_forward")
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """Runs after every forward of the root; returns the (cast) output."""
+        state = self.state
+        if state.adopted:
+            return output  # nested replicate: the enclosing module does this work
+        if state.mixed is not None:
+            output = state.mixed.cast_output(output)
+        reducer = state.reducer
+        if reducer is None or not torch.is_grad_enabled():
+            return output
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(_OutputGradHook(reducer))
+        return output
+
+
+def sync_before_forward(state: ReplicateState) -> None:
+    """What every rank does together before a forward with gradients enabled.
+
+    The join round, the watchdog's mark, the re-plan check and the buffer
+    broadcast; nothing at all without gradients (or in an adopted module).
+    """
+    if not torch.is_grad_enabled() or state.adopted:
+        return  # no collective: one rank may evaluate alone ([Note: re-planning])
+    buffer_source = 0
+    if state.joining:  # inside a Join context ([Note: join] in join.py)
+        buffer_source = training_join_round(state).source
+    state.num_forwards += 1
+    if state.watch is not None:
+        step = 0 if state.reducer is None else state.reducer.num_steps
+        state.watch.at("forward", step)
+    plan = state.plan
+    if state.stamp() != state.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
+        state.replan_if_changed()
+    broadcast_buffers_from(state, buffer_source)
+
+
+def broadcast_buffers_from(state: ReplicateState, source: int) -> None:
+    """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
+    if not (state.config.broadcast_buffers and state.plan.buffers and state.world_size > 1):
+        return
+    # Out of place: a graph from an earlier forward may have saved the old
+    # tensors (two forwards through BatchNorm before one backward). Set
+    # through _buffers, not setattr: setattr would run every global buffer
+    # registration hook, ours included ([Note: re-planning]), at every forward.
+    watch = state.watch
+    try:
+        fresh = broadcast_coalesced(
+            state.plan.buffer_values(),
+            state.group,
+            src_rank=source,
+            in_place=False,
+            timeout=None if watch is None else watch.timeout,
+        )
+    except RuntimeError as error:
+        if watch is None or not is_transport_error(error):
+            raise
+        raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
+    for (owner, name), tensor in zip(state.plan.buffers, fresh, strict=True):
+        module = owner()
+        assert module is not None, "a buffer's owner outlives the plan while the root lives"
+        module._buffers[name] = tensor
+
+
+def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) -> dict[str, Any]:
+    """A shallow copy of a module's ``__dict__`` whose hook dicts lack the hooks of ``handles``."""
+    drop: dict[int, set[Any]] = {}  # id(hook dict) -> our keys in it
+    for handle in handles:
+        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+            hooks = ref()
+            if hooks is not None:
+                drop.setdefault(id(hooks), set()).add(handle.id)
+    copied = dict(attributes)
+    for name, value in attributes.items():
+        if isinstance(value, dict) and id(value) in drop:
+            kept = type(value)()
+            kept.update((k, v) for k, v in value.items() if k not in drop[id(value)])
+            copied[name] = kept
+    return copied
+
+
+class _OutputGradHook:
+    # Queues the reducer's end-of-backward work from the outermost backward
+    # pass ([Note: end of backward] in reducer.py).
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
+            self.reducer.queue_finalize()
+        return grad  # not None: traced under compiled autograd, the return value is the gradient
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)

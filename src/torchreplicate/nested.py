@@ -1,0 +1,84 @@
+"""Replicated modules inside one another, and next to ``fully_shard``.
+
+[Note: nested replicate]
+Applied per block and then to the root (as torchtitan applies data
+parallelism), every parameter is reduced once, by the outermost module's
+reducer, in one collective sequence (rank-dependent graphs stay exact): the
+inner modules give up their reducers and forward work, and their parameters
+travel in buckets of their own. The nested modules must agree on how
+gradients are reduced.
+
+Refused: ``replicate()`` on a module inside one it was already applied to
+(apply it to the blocks first; api.py refuses it), and on a module inside
+one ``fully_shard`` manages, which already reduces its gradients (here, at
+every plan). Children that ``fully_shard`` manages are left to it (the plan
+skips them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from torchreplicate import torch_internals
+from torchreplicate.registry import find_state
+
+if TYPE_CHECKING:
+    from torchreplicate.state import ReplicateState
+
+# What decides how a parameter is reduced: nested modules must agree on it.
+REDUCTION_OPTIONS = ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor")
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name as the user wrote it (not replicate()'s subclass)."""
+    return getattr(type(module), "original_class", type(module)).__name__
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether PyTorch's ``fully_shard`` (FSDP2) manages ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def refuse_inside_fully_shard(module: nn.Module) -> None:
+    """Raises RuntimeError if ``module`` is inside another module that ``fully_shard`` manages."""
+    for sharded in torch_internals.fully_sharded_modules():
+        if sharded is not module and any(m is module for m in sharded.modules()):
+            raise RuntimeError(
+                f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "
+                "managed by fully_shard, which already reduces its gradients; replicate() would "
+                "average them a second time. Apply fully_shard to children and replicate() to "
+                "the root, or only one of them"
+            )
+
+
+def adopt_inner(outer: ReplicateState) -> list[nn.Module]:
+    """Hands every replicated module inside ``outer``'s module to ``outer``; returns them.
+
+    Raises:
+        ValueError: one of them disagrees with ``outer`` on how gradients are reduced.
+    """
+    module = outer.module
+    inner = [m for m in module.modules() if m is not module and find_state(m) is not None]
+    for submodule in inner:
+        state = find_state(submodule)
+        assert state is not None
+        state.adopt_into(outer)
+    return inner
+
+
+def check_same_reduction(inner: ReplicateState, outer: ReplicateState) -> None:
+    """Raises ValueError where ``inner`` and ``outer`` differ in an option of ``REDUCTION_OPTIONS``."""
+    for option in REDUCTION_OPTIONS:
+        mine, theirs = getattr(inner.config, option), getattr(outer.config, option)
+        if mine != theirs:
+            raise ValueError(
+                f"replicate(): nested replicate() calls disagree on {option} ({class_name(inner.module)}: "
+                f"{mine}, the enclosing {class_name(outer.module)}: {theirs}); the outermost reduces "
+                "every parameter in one collective sequence, so pass the same options to both"
+            )
