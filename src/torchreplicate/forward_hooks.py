@@ -144,7 +144,7 @@ def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) ->
 
 class _OutputGradHook:
     # Queues the reducer's end-of-backward work from the outermost backward
-    # pass ([Note: end of backward] in reducer.py).
+    # pass ([Note: end of backward] in step_end.py).
     __slots__ = ("reducer",)
 
     def __init__(self, reducer: Reducer) -> None:
