@@ -147,6 +147,8 @@ class LinkCounters(NamedTuple):
 
 
 class NetState(enum.Enum):
+    """Where a ``HostNet`` is in its life: new, up, closed."""
+
     NEW = "new"  # names chosen, nothing created
     UP = "up"  # namespaces exist (or are being built); close() tears them down
     CLOSED = "closed"  # torn down; cannot be started again
