@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate.dtensors import local
 from torchreplicate.registry import get_state
 
 _NO_TENSOR = -(2**63)  # the digest of a missing tensor (a gradient that is None)
@@ -182,12 +183,12 @@ def verify_replicas(
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return ReplicaReport(len(entries), num_bytes, 1, ())
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = state.collective_device()
     description = repr([(e.kind, e.name, e.shape, str(e.dtype)) for e in entries])
     digests = [_digest_bytes(description.encode())] + [tensor_digest(e.tensor) for e in entries]
-    local = torch.tensor(digests, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local, group=group)
+    mine = torch.tensor(digests, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine, group=group)
     table = [row.tolist() for row in gathered]  # [rank][1 + tensor]
     if len({row[0] for row in table}) > 1:
         mismatches: tuple[Mismatch, ...] = (_different_lists(entries, table, group),)
@@ -222,14 +223,10 @@ def _digest_bytes(data: Any) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor: its shard on this rank
-    tensor = to_local() if callable(to_local) else tensor
-    return tensor.to_dense() if tensor.layout != torch.strided else tensor
-
-
 def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return _local(tensor.detach()).cpu().contiguous().reshape(-1).view(torch.uint8)
+    shard = local(tensor.detach())  # a DTensor: its shard on this rank
+    dense = shard.to_dense() if shard.layout != torch.strided else shard
+    return dense.cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _entries(model: nn.Module, plan: Any, *, grads: bool, buffers: bool) -> list[_Entry]:
