@@ -131,7 +131,7 @@ def end_join(state: ReplicateState) -> None:
     state.join_divides_by_training = False
     torch_internals.disable_join(state.module)
     if state.reducer is not None:
-        state.reducer.reduction.set_divide_factor(float(state.config.gradient_divide_factor or state.world_size))
+        state.reducer.reduction.set_divide_factor(None)
 
 
 @torch.no_grad()

@@ -65,8 +65,8 @@ class Reduction:
     def reduce_flags(self) -> None:
         """Once every bucket is back: sums the flags, if they did not travel with the last bucket."""
 
-    def set_divide_factor(self, divide_factor: float) -> None:
-        """Changes the divisor (uneven inputs: the ranks still training; join.py)."""
+    def set_divide_factor(self, divide_factor: Optional[float]) -> None:
+        """Changes the divisor (uneven inputs: the ranks still training; join.py); None: back to the default."""
 
     def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
         """Bytes one backward hands to the collectives (per rank): the buckets as they travel."""
@@ -119,7 +119,7 @@ class AllReduce(Reduction):
     ) -> torch.Tensor:
         self.weak_group = group
         self._timeout = timeout
-        self.divide_factor = float(self.gradient_divide_factor or dist.get_world_size(group.get()))
+        self.divide_factor = self._default_divide_factor()
         self.wires, self.scales = [], []
         for bucket in buckets:
             buffer = bucket.buffer
@@ -132,7 +132,14 @@ class AllReduce(Reduction):
         last = buckets[-1]
         return self.wires[-1][last.numel : last.numel + num_flags]
 
-    def set_divide_factor(self, divide_factor: float) -> None:
+    def _default_divide_factor(self) -> float:
+        # replicate(gradient_divide_factor=...), else the world size: the mean
+        assert self.weak_group is not None, "bind() comes first"
+        return float(self.gradient_divide_factor or dist.get_world_size(self.weak_group.get()))
+
+    def set_divide_factor(self, divide_factor: Optional[float]) -> None:
+        if divide_factor is None:
+            divide_factor = self._default_divide_factor()
         if divide_factor != self.divide_factor:
             self.divide_factor = divide_factor
             for scale in self.scales:
