@@ -28,18 +28,21 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-PROFILER = torch.autograd.profiler  # its `_is_profiler_enabled` is read on the hot path: see profiler_active
+class _NoProfilerFlag:
+    _is_profiler_enabled = False  # a torch without the flag: labels are never recorded
+
+
+# Whose ``_is_profiler_enabled`` tells whether a profiler records: torch's
+# module (the flag torch keeps for exactly this fast Python check, set on start
+# and stop by both ``torch.profiler.profile`` and the legacy profiler; torch >=
+# 1.13), or a stand-in where a later torch drops it. The gradient hook reads
+# ``PROFILER._is_profiler_enabled`` itself (one attribute read, on the hot path).
+PROFILER: Any = torch.autograd.profiler if hasattr(torch.autograd.profiler, "_is_profiler_enabled") else _NoProfilerFlag
 
 
 def profiler_active() -> bool:
-    """Whether a torch profiler session is recording.
-
-    Reads ``torch.autograd.profiler._is_profiler_enabled``, the flag torch
-    keeps for exactly this kind of fast Python check (set on start and stop
-    by both ``torch.profiler.profile`` and the legacy profiler; torch >=
-    1.13). If a later torch drops it, labels are simply never recorded.
-    """
-    return getattr(torch.autograd.profiler, "_is_profiler_enabled", False) is True
+    """Whether a torch profiler session is recording (``PROFILER._is_profiler_enabled``)."""
+    return PROFILER._is_profiler_enabled is True
 
 
 def num_in_backward_optimizer_params() -> int:
