@@ -92,8 +92,7 @@ class ReplicateConfig:
                     "bucket_cap_mb=None: the reducer measures the link and chooses"
                 )
         stall = self.stall_timeout
-        seconds = stall.total_seconds() if isinstance(stall, timedelta) else stall
-        if stall is not None and not _is_positive_finite(seconds):
+        if stall is not None and not _is_positive_finite(self.stall_timeout_s):
             raise ValueError(
                 "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
                 f"(None turns the watchdog off), got {stall!r}; e.g. stall_timeout=300 for steps that "

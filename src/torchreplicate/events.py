@@ -1,8 +1,8 @@
-"""What the reducer tells an observer of its steps (the tracer of trace.py).
+"""What the reducer tells an observer of its steps (the recorder of timeline.py).
 
 The reducer calls these at the points of a synchronised backward where a
 timeline needs a timestamp. With no observer attached (``Reducer.events is
-None``, the default) each point costs one attribute check; see trace.py for
+None``, the default) each point costs one attribute check; see timeline.py for
 the observer that records them.
 """
 

@@ -117,7 +117,7 @@ class Reducer:
         self.layout = layout
         self.sync = sync
         self.watch = watch
-        self.events: Optional[StepEvents] = None  # an observer of the step's timeline (trace.py), off by default
+        self.events: Optional[StepEvents] = None  # an observer of the step's timeline (timeline.py), off by default
         self.slots = _make_slots(params, names, learned)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]

@@ -69,7 +69,7 @@ class ReplicateState:
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
-        self.events: Optional[StepEvents] = None  # an observer of every step's timeline (trace.py)
+        self.events: Optional[StepEvents] = None  # an observer of every step's timeline (timeline.py)
         self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
         # nested replicate(): the state of an enclosing replicated module, which
         # reduces this module's parameters in its own collective sequence
