@@ -14,6 +14,7 @@ from torch import nn
 
 # Bucket caps that split the MLP (width 32) into three or more buckets.
 TINY_BUCKETS = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}
+TINY_DIM_BUCKETS = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001}  # about one DIM-wide Linear per bucket
 
 
 class MLP(nn.Module):

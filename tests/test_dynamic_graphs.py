@@ -16,10 +16,9 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 from models import DIM, Branches, data
+from models import TINY_DIM_BUCKETS as TINY
 from parity import assert_grads_match, assert_replicas_identical, seeded
 from torchreplicate import replicate
-
-TINY = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001}  # several buckets for DIM-wide layers
 
 
 def rank_branch(model, rank, world_size, step):

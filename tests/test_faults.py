@@ -14,16 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.diagnostics import DesyncReport, format_desync
 from torchreplicate.launcher import free_port
-
-DIM = 8
-
-
-def data(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 def _net() -> nn.Module:

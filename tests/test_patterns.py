@@ -18,16 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from models import MLP
+from models import DIM, MLP, data
+from models import TINY_DIM_BUCKETS as TINY
 from parity import assert_grads_match, digest, seeded
 from torchreplicate import ReplicateModule, replicate
-
-DIM = 8
-TINY = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001}
-
-
-def data(rank: int, step: int, rows: int = 4) -> torch.Tensor:
-    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 class Net(nn.Module):

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 import torchreplicate
+from models import DIM, data
+from models import TINY_DIM_BUCKETS as TINY
 from parity import seeded
 from test_dynamic_graphs import Reused, reused_growing
 from torchreplicate import replicate
@@ -28,16 +30,10 @@ from torchreplicate.timeline import StepRecorder
 from torchreplicate.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
 
 ROOT = Path(__file__).resolve().parent.parent
-DIM = 8
-TINY = {"bucket_cap_mb": 0.0002, "first_bucket_cap_mb": 0.0001}  # about one Linear per bucket
 
 
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 2))
-
-
-def data(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 # -- pure: the recorder and the event format ----------------------------------------

@@ -8,11 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from models import DIM, data
 from parity import seeded
 from torchreplicate import ReplicaMismatchError, replicate, verify_replicas
 from torchreplicate.verify import tensor_digest
-
-DIM = 8
 
 
 class Net(nn.Module):
@@ -24,10 +23,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.body(x) + self.offset))
-
-
-def data(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 def test_digest_sees_one_bit_and_nothing_else():
