@@ -2,7 +2,7 @@
 
 torch._dynamo.config.compiled_autograd turns it on for backwards that run
 inside a compiled function. The reducer's traced path ([Note: compiled
-autograd] in reducer.py) all-reduces each gradient in the graph. The
+autograd] in reduction.py) all-reduces each gradient in the graph. The
 gradients must equal one process on the global batch, and differ from the
 local ones (proof that they were averaged). aot_eager here; inductor's CPU
 compile takes minutes on this machine (README says what was run by hand).
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parity import seeded
+from parity import assert_replicas_identical, assert_same_on_every_rank, seeded
 from torchreplicate import replicate
 
 
@@ -33,16 +33,32 @@ class Compiled(NamedTuple):
     differs_from_local: bool  # the averaged gradients are not this rank's own
 
 
-def compiled_autograd(rank: int, world_size: int, fullgraph: bool) -> Compiled:
-    import torch._dynamo
+class _CompiledAutograd:
+    # compiled autograd on, for the length of a with-block (and dynamo reset around it)
+    def __init__(self, fullgraph: bool) -> None:
+        self.fullgraph = fullgraph
 
-    torch._dynamo.reset()
-    config = torch._dynamo.config
-    saved = (config.compiled_autograd, config.compiled_autograd_kwargs_override)
-    config.compiled_autograd = True
-    config.compiled_autograd_kwargs_override = {"fullgraph": True} if fullgraph else {}
-    try:
-        model = replicate(seeded(_net, 3))
+    def __enter__(self) -> None:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        config = torch._dynamo.config
+        self.saved = (config.compiled_autograd, config.compiled_autograd_kwargs_override)
+        config.compiled_autograd = True
+        config.compiled_autograd_kwargs_override = {"fullgraph": True} if self.fullgraph else {}
+
+    def __exit__(self, *exc: object) -> None:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.compiled_autograd, config.compiled_autograd_kwargs_override = self.saved
+        torch._dynamo.reset()
+
+
+def compiled_autograd(rank: int, world_size: int, fullgraph: bool, options: dict) -> Compiled:
+    with _CompiledAutograd(fullgraph):
+        # a different initial model on every rank: replicate() broadcasts rank 0's
+        model = replicate(seeded(_net, 3 + rank), **options)
         reference = seeded(_net, 3)
         local = seeded(_net, 3)
 
@@ -50,6 +66,8 @@ def compiled_autograd(rank: int, world_size: int, fullgraph: bool) -> Compiled:
         def step(x: torch.Tensor) -> None:
             model(x).pow(2).mean().backward()
 
+        wire = options.get("reduce_dtype")
+        tolerance = {"rtol": 1e-5, "atol": 1e-6} if wire is None else {"rtol": 2**-7, "atol": 1e-4}
         differs = False
         for s in range(2):
             model.zero_grad()
@@ -58,19 +76,54 @@ def compiled_autograd(rank: int, world_size: int, fullgraph: bool) -> Compiled:
             step(data(rank, s))
             torch.stack([reference(data(r, s)).pow(2).mean() for r in range(world_size)]).mean().backward()
             local(data(rank, s)).pow(2).mean().backward()
-            for (name, p), q, own in zip(model.named_parameters(), reference.parameters(), local.parameters()):
-                torch.testing.assert_close(
-                    p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
-                )
+            for (name, p), q, own in zip(
+                model.named_parameters(), reference.parameters(), local.parameters(), strict=True
+            ):
+                torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m: f"rank {rank} {name}: {m}")
+                assert_same_on_every_rank(p.grad, f"step {s} {name}.grad")
+                if wire is not None:  # the mean travelled in the wire dtype: every value is one of its
+                    assert torch.equal(p.grad, p.grad.to(wire).to(p.grad.dtype)), f"rank {rank} {name}: not {wire}"
                 differs = differs or not torch.allclose(p.grad, own.grad)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                    q.copy_(p)  # the next step starts from the replica's weights (bf16 wire: rounding differs)
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * p.grad
+        assert_replicas_identical(model, f"rank {rank} after the steps")
         dist.barrier()
         return Compiled(differs)
-    finally:
-        config.compiled_autograd, config.compiled_autograd_kwargs_override = saved
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
 def test_compiled_autograd_averages(pools, fullgraph):
-    for r in pools.run(2, compiled_autograd, fullgraph, timeout_s=240):
+    for r in pools.run(2, compiled_autograd, fullgraph, {}, timeout_s=240):
         assert r.differs_from_local, "the gradients are the local ones: nothing was averaged"
+
+
+def test_compiled_autograd_keeps_the_wire_dtype(pools):
+    for r in pools.run(2, compiled_autograd, False, {"reduce_dtype": torch.bfloat16}, timeout_s=240):
+        assert r.differs_from_local, "the gradients are the local ones: nothing was averaged"
+
+
+def hook_under_compiled_autograd(rank: int, world_size: int) -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with _CompiledAutograd(fullgraph=False):
+        model = replicate(seeded(_net, 3))
+        model.register_comm_hook(None, allreduce_hook)
+
+        @torch.compile(backend="aot_eager")
+        def step(x: torch.Tensor) -> None:
+            model(x).pow(2).mean().backward()
+
+        with pytest.raises(RuntimeError) as info:
+            step(data(rank, 0))
+        message = str(info.value)
+        for words in ("comm hook cannot run under compiled autograd", "compiled_autograd off"):
+            assert words in message, f"rank {rank}: {words!r} not in: {message}"
+        return message.split("replicate():")[1].splitlines()[0]
+
+
+def test_comm_hook_refused_under_compiled_autograd_on_every_rank(pools):
+    messages = pools.run(2, hook_under_compiled_autograd, timeout_s=240)
+    assert len(set(messages)) == 1, messages

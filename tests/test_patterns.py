@@ -303,8 +303,28 @@ def foreign_hook(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def foreign_hook_after(rank: int, world_size: int, options: dict) -> str:
+    # Registered after replicate(): it would find .grad moved into its bucket (None), so an
+    # optimizer stepped there would silently never step. Refused at the next backward.
+    model = replicate(seeded(Net, 0), **options)
+    model(data(rank, 0)).pow(2).mean().backward()
+    model.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    try:
+        model(data(rank, 1)).pow(2).mean().backward()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def test_post_accumulate_grad_hook_is_refused_on_every_rank(pools):
     for message in pools.run(2, foreign_hook):
+        assert "parameter 'head.weight' has a post-accumulate-grad hook" in message, message
+        assert "_apply_optimizer_in_backward" in message, message
+
+
+@pytest.mark.parametrize("options", [{}, dict(TINY, gradient_as_bucket_view=False)], ids=["default", "tiny-copy"])
+def test_post_accumulate_grad_hook_added_later_is_refused_on_every_rank(pools, options):
+    for message in pools.run(2, foreign_hook_after, options):
         assert "parameter 'head.weight' has a post-accumulate-grad hook" in message, message
         assert "_apply_optimizer_in_backward" in message, message
 
@@ -484,6 +504,29 @@ def sparse_embeddings(rank: int, world_size: int, options: dict) -> str:
 @pytest.mark.parametrize("options", [{}, dict(TINY, gradient_as_bucket_view=False)], ids=["default", "tiny-copy"])
 def test_sparse_embeddings(pools, world_size, options):
     assert len(set(pools.run(world_size, sparse_embeddings, options))) == 1
+
+
+def sparse_flag_flipped(rank: int, world_size: int, to_sparse: bool) -> str:
+    # The flag decides the plan (dense bucket slot or sparse all-reduce); flipping it after
+    # replicate() is refused at the next backward, naming the parameter and the fix.
+    model = seeded(Bag, 100)
+    model.embed.sparse = not to_sparse
+    replicate(model)
+    model(tokens(rank, 0), False).pow(2).mean().backward()
+    model.zero_grad()  # .grad None: the next gradient arrives as the flag now says
+    model.embed.sparse = to_sparse
+    try:
+        model(tokens(rank, 1), False).pow(2).mean().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("to_sparse", [True, False], ids=["dense-to-sparse", "sparse-to-dense"])
+def test_sparse_flag_flipped_after_replicate_is_refused_on_every_rank(pools, to_sparse):
+    for message in pools.run(2, sparse_flag_flipped, to_sparse):
+        assert "parameter 'embed.weight' was planned for" in message, message
+        assert "sparse flag" in message and "before replicate()" in message, message
 
 
 # -- 11: fully_shard on an enclosing module after replicate() ----------------------------

@@ -36,7 +36,7 @@ class WeakGroup:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self._ref = weakref.ref(group)
-        self.name = group.group_name  # how traced code names it ([Note: compiled autograd] in reducer.py)
+        self.name = group.group_name  # how traced code names it ([Note: compiled autograd] in reduction.py)
 
     def get(self) -> dist.ProcessGroup:
         """The group; RuntimeError if it was destroyed."""

@@ -140,20 +140,31 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
-    """Refuses a replicated parameter that carries someone else's post-accumulate-grad hook."""
+    """Refuses a replicated parameter that carries someone else's post-accumulate-grad hook (at set-up)."""
     for slot in slots:
         if slot.param._post_accumulate_grad_hooks:
-            raise ValueError(
-                f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
-                "by someone else; it would run on this rank's local gradient before the average "
-                "(an optimizer stepped there makes the replicas diverge). For an optimizer in "
-                "backward use torch.distributed.optim._apply_optimizer_in_backward, which "
-                "replicate() steps after the average; otherwise step after backward()"
-            )
+            raise foreign_hook_error(slot)
+
+
+def foreign_hook_error(slot: ParamSlot) -> ValueError:
+    """The error for a post-accumulate-grad hook on a replicated parameter that is not the reducer's."""
+    return ValueError(
+        f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
+        "by someone else; it would run on this rank's local gradient before the average, or "
+        "find .grad already moved into its bucket (an optimizer stepped there makes the "
+        "replicas diverge or never steps). For an optimizer in backward use "
+        "torch.distributed.optim._apply_optimizer_in_backward, which replicate() steps after "
+        "the average; otherwise step after backward()"
+    )
 
 
 def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
-    """The error for a gradient whose dtype, device or shape no longer fits its slot."""
+    """The error for a gradient whose dtype, device, shape or layout no longer fits its slot."""
+    if grad.is_sparse:
+        return RuntimeError(
+            f"replicate(): parameter {slot.name!r} was planned for dense gradients but got a sparse "
+            "one; set the module's sparse flag (nn.Embedding(sparse=True)) before replicate() and keep it"
+        )
     buffer = slot.bucket.buffer
     return RuntimeError(
         f"replicate(): parameter {slot.name!r} changed since it was planned: its gradient is "

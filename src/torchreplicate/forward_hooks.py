@@ -16,9 +16,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from torchreplicate import torch_internals
 from torchreplicate.collectives import broadcast_coalesced, is_transport_error
 from torchreplicate.join import training_join_round
 from torchreplicate.profiling import labelled
+from torchreplicate.reduction import HookReduction, compiled_hook_error
 
 if TYPE_CHECKING:
     from torchreplicate.reducer import Reducer
@@ -85,6 +87,8 @@ def sync_before_forward(state: ReplicateState) -> None:
     """
     if not torch.is_grad_enabled() or state.adopted:
         return  # no collective: one rank may evaluate alone ([Note: re-planning])
+    if isinstance(state.reduction, HookReduction) and torch_internals.compiled_autograd_enabled():
+        raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
     buffer_source = 0
     if state.joining:  # inside a Join context ([Note: join] in join.py)
         buffer_source = training_join_round(state).source

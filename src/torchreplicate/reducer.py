@@ -54,6 +54,7 @@ from torchreplicate.bucket import Bucket, ParamSlot, StepState, layout_digest
 from torchreplicate.collectives import WeakGroup, is_transport_error
 from torchreplicate.diagnostics import (
     changed_since_plan,
+    foreign_hook_error,
     raise_with_place,
     refuse_foreign_hooks,
     warn_create_graph,
@@ -232,6 +233,8 @@ class Reducer:
         grad = param.grad
         if grad is None:
             return  # an undefined gradient (a Function returned None): nothing accumulated
+        if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other: 90 ns
+            raise foreign_hook_error(slot)  # registered after replicate() (before: refused at set-up)
         if not self.sync.on:
             self.layout.keep_local(slot)
             return
@@ -246,7 +249,7 @@ class Reducer:
 
     def _unusual_hook(self, slot: ParamSlot, param: nn.Parameter) -> None:
         if is_compiling():
-            self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd]
+            self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd] in reduction.py
             return
         with record_function(PREFIX + "hook"):  # a profiler records: label the hook
             self._accumulated(slot, param)
@@ -271,7 +274,9 @@ class Reducer:
             self.layout.take(slot, step, self.reduction)
         except RuntimeError as error:
             grad = slot.param.grad
-            if grad is not None and (grad.device != slot.bucket.buffer.device or local(grad).shape != slot.view.shape):
+            if grad is not None and (
+                grad.is_sparse or grad.device != slot.bucket.buffer.device or local(grad).shape != slot.view.shape
+            ):
                 raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
@@ -280,23 +285,13 @@ class Reducer:
                 self._launch_ready(step)
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
-        # [Note: compiled autograd]
-        # Under compiled autograd (torch._dynamo.config.compiled_autograd with
-        # a compiled step that runs backward), this hook is traced into the
-        # backward graph, where no Python bookkeeping, async work handle or
-        # end-of-backward callback can run (queue_callback is refused, or
-        # silently dropped, torch 2.13). So the traced path is DDP's "python
-        # reducer" one: each gradient is divided and summed across ranks by a
-        # functional all-reduce, in the graph, in place; inductor may fuse
-        # them into buckets. Its limit, as DDP's: every rank must produce a
-        # gradient for the same parameters each step (no unused parameters,
-        # no comm hook, no reduce_dtype; README: Compiled autograd).
+        # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
         if not self.sync.on:
             return
         grad = param.grad
         if grad is None:
             return
-        grad.copy_(torch_internals.traced_all_reduce(grad / self.reduction.divide_factor, self._weak_group.name))
+        grad.copy_(self.reduction.traced(grad, self._weak_group.name))
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).

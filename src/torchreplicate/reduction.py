@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate import torch_internals
 from torchreplicate.bucket import Bucket, ParamSlot
 from torchreplicate.collectives import WeakGroup, all_reduce
 from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
@@ -68,6 +69,14 @@ class Reduction:
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """Changes the divisor (uneven inputs: the ranks still training; join.py); None: back to the default."""
 
+    def traced(self, grad: torch.Tensor, group_name: str) -> torch.Tensor:
+        """Under compiled autograd: the average of ``grad``, as a traceable expression ([Note: compiled autograd]).
+
+        Raises:
+            RuntimeError: this reduction cannot be traced (a comm hook), on every rank at trace time.
+        """
+        raise compiled_hook_error()
+
     def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
         """Bytes one backward hands to the collectives (per rank): the buckets as they travel."""
         return sum(b.buffer.numel() * b.buffer.element_size() for b in buckets)
@@ -75,6 +84,15 @@ class Reduction:
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
         raise NotImplementedError
+
+
+def compiled_hook_error() -> RuntimeError:
+    """The error for a comm hook under compiled autograd (raised before the forward, on every rank)."""
+    return RuntimeError(
+        "replicate(): a comm hook cannot run under compiled autograd (the backward is one traced "
+        "graph: no futures, no per-bucket calls); turn torch._dynamo.config.compiled_autograd off, "
+        "or drop the hook (replicate(reduce_dtype=...) sends the gradients in a lower precision)"
+    )
 
 
 class AllReduce(Reduction):
@@ -147,6 +165,25 @@ class AllReduce(Reduction):
 
     def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
         return sum(wire.numel() * wire.element_size() for wire in self.wires)  # in the reduce dtype
+
+    def traced(self, grad: torch.Tensor, group_name: str) -> torch.Tensor:
+        # [Note: compiled autograd]
+        # Under compiled autograd (torch._dynamo.config.compiled_autograd with
+        # a compiled step that runs backward), the reducer's gradient hook is
+        # traced into the backward graph, where no Python bookkeeping, async
+        # work handle or end-of-backward callback can run (queue_callback is
+        # refused, or silently dropped, torch 2.13). So the traced path is
+        # DDP's "python reducer" one: each gradient is divided and summed
+        # across ranks by a functional all-reduce, in the graph (inductor may
+        # fuse them into buckets), in the wire dtype when one is set
+        # (reduce_dtype, mp_policy). Its limits, as DDP's: every rank must
+        # produce a gradient for the same parameters each step (no unused
+        # parameters), and no comm hook (refused at trace time; README:
+        # Compiled autograd).
+        mean = grad / self.divide_factor
+        if self.reduce_dtype is not None:
+            mean = mean.to(self.reduce_dtype)
+        return torch_internals.traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         assert self.weak_group is not None, "bind() comes first"

@@ -7,6 +7,7 @@ later torch moves one, this file is the only one to change.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -108,6 +109,15 @@ def disable_join(joinable: object) -> None:
     from torch.distributed.algorithms.join import _JoinConfig
 
     joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether ``torch._dynamo.config.compiled_autograd`` is on (False while dynamo was never imported).
+
+    A config flag of torch's compiler (torch >= 2.4), not a public API.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    return dynamo is not None and bool(getattr(dynamo.config, "compiled_autograd", False))
 
 
 def traced_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
