@@ -306,3 +306,27 @@ def test_who_is_where_sentence():
     assert "rank 3 is gone (its process, pid 103 on hostA, sent no heartbeat in 1.0 s" in sentence, sentence
     assert "was backward of step 12)" in sentence, sentence
     assert sentence.endswith("ranks 0, 2 wait in bucket 0 ('w') of step 12"), sentence
+
+
+# -- a change of the replicated parameters on one rank only ---------------------------------
+
+
+def frozen_on_one_rank(rank: int, world_size: int, marks: list[float]) -> int:
+    """Rank 1 alone freezes the first layer before step 2: its forward re-plans, the others' do not."""
+
+    def stall(step: int, model: nn.Module) -> None:
+        if rank == 1 and step == 2:
+            model[0].requires_grad_(False)
+
+    return train_steps(rank, marks, 4, stall)
+
+
+def test_a_change_on_one_rank_only_is_named_on_every_rank():
+    outcomes = run_ranks(frozen_on_one_rank, 2)
+    for rank, out in enumerate(outcomes):
+        assert out.exitcode == 1, f"rank {rank}: {out}"
+        assert out.error.startswith(f"replicate(): rank {rank}:"), out.error
+        assert "'0.weight' frozen" in out.error, f"rank {rank}: {out.error}"
+        assert "of step 2" in out.error, f"rank {rank}: {out.error}"
+    assert "every rank must make the same change at the same step" in outcomes[0].error, outcomes[0].error
+    assert outcomes[1].error.startswith("replicate(): rank 1: the re-plan ('0.weight' frozen"), outcomes[1].error

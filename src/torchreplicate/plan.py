@@ -164,6 +164,25 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module], inner: Sequence[nn.
     )
 
 
+def describe_change(old: Plan, new: Plan, most: int = 3) -> str:
+    """What a re-plan changes, for the watchdog's note and errors: a few names and how each changed."""
+    before = dict(zip(old.candidate_names, zip(old.trainable, old.signature, strict=True), strict=True))
+    changes = []
+    for name, trainable, signature in zip(new.candidate_names, new.trainable, new.signature, strict=True):
+        if name not in before:
+            changes.append(f"{name!r} added")
+        elif before[name][0] != trainable:
+            changes.append(f"{name!r} {'unfrozen' if trainable else 'frozen'}")
+        elif before[name][1] != signature:
+            changes.append(f"{name!r} replaced or converted")
+    names = set(new.candidate_names)
+    changes += [f"{name!r} removed" for name in old.candidate_names if name not in names]
+    if not changes:
+        return "buffers changed"
+    more = f" and {len(changes) - most} more" if len(changes) > most else ""
+    return ", ".join(changes[:most]) + more
+
+
 def new_tensors(old: Plan, new: Plan) -> list[torch.Tensor]:
     """Candidates and buffers in ``new`` that ``old`` did not hold: what a re-plan broadcasts."""
     old_params = {id(p) for p in old.candidates}

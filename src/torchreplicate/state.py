@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate import forward_hooks, join, nested, torch_internals
-from torchreplicate.collectives import WeakGroup, broadcast_coalesced, verify_params_across_ranks
+from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
 from torchreplicate.comm_hooks import check_hook_options
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.dtensors import check_mesh_apart, local
@@ -26,7 +26,7 @@ from torchreplicate.events import StepEvents
 from torchreplicate.grad_layout import grad_layout
 from torchreplicate.mixed_precision import MixedPrecision
 from torchreplicate.nested import class_name, is_fully_sharded
-from torchreplicate.plan import EMPTY_PLAN, Plan, make_plan, new_tensors
+from torchreplicate.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
 from torchreplicate.reducer import Reducer
 from torchreplicate.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.registry import registration_count
@@ -280,9 +280,26 @@ class ReplicateState:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
         plan = self._make_plan()
         if not plan.same_as(self.plan):
-            self._adopt(plan, new_tensors(self.plan, plan))
+            self._adopt_agreed(plan)
             if self.events is not None:
                 self.events.replan(0 if self.reducer is None else self.reducer.num_steps)
+
+    def _adopt_agreed(self, plan: Plan) -> None:
+        # A re-plan runs collectives that every rank must run at the same
+        # forward. If one rank's change is its own (a layer frozen on one
+        # rank only), the others are elsewhere: the watchdog's note says what
+        # changed here, so every rank's error names the parameters.
+        change = describe_change(self.plan, plan)
+        step = 0 if self.reducer is None else self.reducer.num_steps
+        watch = self.watch
+        if watch is not None:
+            watch.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
+        try:
+            self._adopt(plan, new_tensors(self.plan, plan))
+        except RuntimeError as error:
+            if watch is None or not is_transport_error(error):
+                raise
+            raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
 
     def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
         # Checks the plan across ranks, broadcasts what is new to it from rank 0
