@@ -13,9 +13,6 @@ import torch.distributed as dist
 from harness import run_command
 from torchreplicate.launcher import WorkerError, launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TESTS = os.path.join(ROOT, "tests")
-
 # -- launch() from Python: the targets run on the launched ranks, which import
 # them from this module by name (tests/ is on sys.path)
 
@@ -80,7 +77,7 @@ def test_bad_nprocs():
 
 
 def _run(command, timeout=180):
-    return run_command(command, env={"PYTHONPATH": TESTS}, timeout=timeout)
+    return run_command(command, timeout=timeout)  # from the repository root (harness.ROOT)
 
 
 def test_command_line_runs_the_example():

@@ -17,7 +17,6 @@ import torch
 
 from harness import run_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS = "30"
 
