@@ -41,8 +41,11 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def assert_grads_match(model: nn.Module, reference: nn.Module, where: str) -> None:
-    """Each ``.grad`` is the reference's (rtol 1e-5, atol 1e-6), and None where the reference's is."""
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    """Each ``.grad`` is the reference's (rtol 1e-5, atol 1e-6), and None where the reference's is.
+
+    The two must have the same number of parameters: one lost or added fails.
+    """
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         if q.grad is None:
             assert p.grad is None, f"{where}: {name}.grad should be None"
             continue
@@ -51,8 +54,8 @@ def assert_grads_match(model: nn.Module, reference: nn.Module, where: str) -> No
 
 
 def assert_same_parameters(model: nn.Module, other: nn.Module, where: str) -> None:
-    """Bitwise equal parameters, in the same process."""
-    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+    """Bitwise equal parameters, in the same process (the same number of them)."""
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"{where}: {name}: {m}")
 
 

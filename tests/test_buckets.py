@@ -35,6 +35,23 @@ def test_param_larger_than_cap_gets_own_bucket():
     assert buckets[1].numel == 1000
 
 
+@pytest.mark.parametrize(
+    "small, expected",
+    [
+        (4, [((1, 0), 1004)]),  # 16 B < 20 B, not half full: the small one rides with the large one
+        (5, [((1,), 5), ((0,), 1000)]),  # 20 B >= 20 B, half full: it leaves before the large one
+    ],
+    ids=["below-half-rides-along", "half-full-leaves-first"],
+)
+def test_a_bucket_closes_before_an_overflowing_parameter_only_once_half_full(small, expected):
+    # Visited in reverse: the small parameter 1, then the 1000-element one (4000 B,
+    # past the 40 B cap). _Filler.add closes the open bucket before a parameter
+    # that would overflow it only when 2 * its bytes >= the cap, i.e. at 20 B
+    # here; otherwise the parameter joins it and the bucket closes once past the cap.
+    buckets = plan([1000, small], cap_bytes=40, first_cap_bytes=40)
+    assert [(b.param_indices, b.numel) for b in buckets] == expected
+
+
 def test_dtypes_never_share_a_bucket():
     buckets = plan([4, 4, 4, 4], [F32, F16, F32, F16], cap_bytes=10**9, first_cap_bytes=10**9)
     assert {b.dtype for b in buckets} == {F32, F16}

@@ -120,6 +120,7 @@ class Outcome(NamedTuple):
     result: Any  # what the rank function returned, or None
     error: str  # the error it raised (str), or ""
     waited_s: float  # seconds from its last mark to the error (see mark())
+    cause: str = ""  # the error's __cause__ (str): gloo's own text under replicate()'s, or ""
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
@@ -138,9 +139,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
     try:
         value = fn(rank, world_size, marks, *args)
     except RuntimeError as error:
-        results.put((rank, None, str(error), time.monotonic() - marks[-1]))
+        cause = "" if error.__cause__ is None else str(error.__cause__)
+        results.put((rank, None, str(error), time.monotonic() - marks[-1], cause))
         raise SystemExit(1) from None
-    results.put((rank, value, "", 0.0))
+    results.put((rank, value, "", 0.0, ""))
     dist.destroy_process_group()
 
 
@@ -172,11 +174,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: f
     reported: dict[int, tuple] = {}
     while len(reported) < world_size:
         try:
-            rank, value, error, waited = results.get(timeout=1)
+            rank, value, error, waited, cause = results.get(timeout=1)
         except queue.Empty:
             break
-        reported[rank] = (value, error, waited)
-    return [Outcome(exitcodes[r], *reported.get(r, (None, "", 0.0))) for r in range(world_size)]
+        reported[rank] = (value, error, waited, cause)
+    return [Outcome(exitcodes[r], *reported.get(r, (None, "", 0.0, ""))) for r in range(world_size)]
 
 
 def train_steps(rank: int, marks: list[float], steps: int, stall: Callable[[int, nn.Module], None]) -> int:
@@ -214,9 +216,25 @@ def test_a_late_rank_is_named_by_every_waiting_rank_within_the_stall_timeout():
         # the stall timeout, two heartbeat periods of diagnosis, and room for a busy machine
         assert out.waited_s < STALL_S + 2 * 0.5 + 4, f"rank {rank} took {out.waited_s:.1f} s"
     # the late rank meets closed connections: a clean error too (its peers,
-    # and the store rank 0 hosted, may be gone by then)
+    # and the store rank 0 hosted, may be gone by then), at once, naming
+    # where it was: the same bucket of the same step as its peers
     late = outcomes[1]
-    assert late.exitcode == 1 and late.error.startswith("replicate(): rank 1:"), late
+    assert late.exitcode == 1 and late.error.startswith("replicate(): rank 1: bucket 0 ("), late
+    assert "of step 2 failed: a peer's connection broke" in late.error, late.error
+    assert late.waited_s < STALL_S, f"rank 1 waited {late.waited_s:.1f} s for peers that were gone"
+    if "the others' positions are unknown" in late.error:  # the store went with rank 0
+        assert "(the store did not answer: " in late.error and "). gloo said: " in late.error, late.error
+    else:  # the store still answered: its peers stopped in the same bucket
+        assert "ranks 0, 1, 2 wait in bucket 0 (" in late.error, late.error
+    assert "onnection" in late.cause, f"gloo's own text must stay in the cause: {late}"
+    buckets = {_bucket_named(out.error) for out in outcomes}
+    assert len(buckets) == 1, f"the ranks name different buckets: {buckets}"
+
+
+def _bucket_named(message: str) -> str:
+    """The bucket a watchdog error names first: "bucket 0 ('2.bias', ...)"."""
+    start = message.index("bucket ")
+    return message[start : message.index(") of step", start) + 1]
 
 
 def dead_peer(rank: int, world_size: int, marks: list[float]) -> int:
@@ -243,17 +261,26 @@ def dead_peer(rank: int, world_size: int, marks: list[float]) -> int:
     return 4
 
 
-def test_a_dead_peer_is_named_with_the_step_the_bucket_and_gloo_s_text():
-    outcomes = run_ranks(dead_peer, 2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_dead_peer_is_named_with_the_step_the_bucket_and_gloo_s_text(world_size):
+    outcomes = run_ranks(dead_peer, world_size)
     assert outcomes[1].exitcode == 3, outcomes[1]
-    survivor = outcomes[0]
-    assert survivor.exitcode == 1, survivor  # a clean Python exit, no abort, no hang
-    message = survivor.error
-    assert message.startswith("replicate(): rank 0: bucket 0 (") and "of step 2 failed" in message, message
-    assert "rank 1 is gone (its process, pid" in message, message
-    assert "ward of step 2)" in message, message  # its last report: forward or backward of step 2
-    assert "Connection" in message or "connection" in message, "gloo's own text must stay in the message's cause"
-    assert survivor.waited_s < STALL_S + 4, f"took {survivor.waited_s:.1f} s"
+    survivors = [r for r in range(world_size) if r != 1]
+    waiting = "rank 0 waits" if world_size == 2 else "ranks 0, 2 wait"
+    for rank in survivors:
+        survivor = outcomes[rank]
+        assert survivor.exitcode == 1, survivor  # a clean Python exit, no abort, no hang
+        message = survivor.error
+        assert message.startswith(f"replicate(): rank {rank}: bucket 0 (") and "of step 2 failed" in message, message
+        assert "of step 2 failed: a peer's connection broke" in message, message
+        assert "rank 1 is gone (its process, pid" in message, message
+        assert "ward of step 2)" in message, message  # its last report: forward or backward of step 2
+        assert f"{waiting} in bucket 0 (" in message, message
+        assert "Connection" in message or "connection" in message, "gloo's own text must stay in the message's cause"
+        assert "onnection" in survivor.cause, f"rank {rank}: gloo's own text must stay in the cause: {survivor}"
+        assert survivor.waited_s < STALL_S + 4, f"rank {rank} took {survivor.waited_s:.1f} s"
+    buckets = {_bucket_named(outcomes[rank].error) for rank in survivors}
+    assert len(buckets) == 1, f"the survivors name different buckets: {buckets}"
 
 
 def extra_step_then_exit(rank: int, world_size: int, marks: list[float]) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from parity import seeded
+from parity import assert_group_usable, assert_replicas_identical, digest, seeded
 from torchreplicate import replicate
 
 DIM = 8
@@ -44,7 +47,12 @@ def expected(counts: list[int], divide_by_initial: bool) -> list[torch.Tensor]:
     return [p.detach() for p in reference.parameters()]
 
 
-def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: bool, engine: str) -> list[float]:
+class Joined(NamedTuple):
+    digest: str  # bitwise fingerprint of the parameters: equal across ranks iff the replicas are identical
+    sums: list[float]  # per parameter, for comparing two engines (different arithmetic: a tolerance)
+
+
+def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: bool, engine: str) -> Joined:
     model = seeded(_net, 3 + rank)
     if engine == "ddp":
         model = seeded(_net, 3)  # DDP broadcasts too, but its buffer handling differs: start equal
@@ -61,7 +69,7 @@ def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: boo
             optimizer.step()
             optimizer.zero_grad()
     want = expected(counts, divide_by_initial)
-    for (name, p), q in zip(model.named_parameters(), want):
+    for (name, p), q in zip(model.named_parameters(), want, strict=True):
         torch.testing.assert_close(
             p.detach(), q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {engine} {name}: {m}"
         )
@@ -69,19 +77,19 @@ def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: boo
     gathered = [torch.zeros(1) for _ in range(world_size)]
     dist.all_gather(gathered, seen)
     assert all(torch.equal(g, gathered[0]) for g in gathered), f"buffers differ after the join: {gathered}"
-    return [p.sum().item() for p in model.parameters()]
+    return Joined(digest(model), [p.sum().item() for p in model.parameters()])
 
 
 @pytest.mark.parametrize("divide_by_initial", [True, False], ids=["initial-world-size", "ranks-training"])
 @pytest.mark.parametrize("counts", [[3, 5], [0, 5]], ids=["3-vs-5", "0-vs-5"])
 def test_uneven_inputs_two_ranks(pools, counts, divide_by_initial):
     ours = pools.run(2, uneven, counts, divide_by_initial, "ours", timeout_s=90)
-    assert ours[0] == ours[1], "replicas differ after the join"
+    assert ours[0].digest == ours[1].digest, f"replicas differ bitwise after the join: {ours}"
 
 
 def test_uneven_inputs_three_ranks(pools):
     ours = pools.run(3, uneven, [0, 3, 5], False, "ours", timeout_s=90)
-    assert len({tuple(r) for r in ours}) == 1
+    assert len({r.digest for r in ours}) == 1, f"replicas differ bitwise after the join: {ours}"
 
 
 @pytest.mark.parametrize("divide_by_initial", [True, False])
@@ -89,5 +97,74 @@ def test_ddp_reaches_the_same_weights(pools, divide_by_initial):
     """The reference above is DDP's semantics: DDP's own run lands on it too."""
     ddp = pools.run(2, uneven, [3, 5], divide_by_initial, "ddp", timeout_s=90)
     ours = pools.run(2, uneven, [3, 5], divide_by_initial, "ours", timeout_s=90)
-    for a, b in zip(ddp[0], ours[0]):
+    assert ours[0].digest == ours[1].digest, f"replicas differ bitwise after the join: {ours}"
+    assert ddp[0].digest == ddp[1].digest, f"DDP's replicas differ bitwise after its join: {ddp}"
+    for a, b in zip(ddp[0].sums, ours[0].sums, strict=True):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (ddp[0], ours[0])
+
+
+def unknown_join_option(rank: int, world_size: int) -> list[str]:
+    """join_hook() with an option it does not take, directly and through torch's Join; the state untouched."""
+    model = replicate(seeded(_net, 3))
+    state = replicate.state(model)
+    messages = []
+    for call in (
+        lambda: model.join_hook(foo=1),
+        lambda: model.join_hook(divide_by_initial_world_size=False, foo=1),
+        lambda: Join([model], foo=1),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except TypeError as error:
+            messages.append(str(error))
+    assert not state.join_divides_by_training and not state.joining, (
+        f"rank {rank}: a refused join_hook changed the state"
+    )
+    return messages
+
+
+def test_an_unknown_join_hook_option_is_refused_on_every_rank(pools):
+    expected = "join_hook(): unexpected option(s) ['foo']; it takes divide_by_initial_world_size"
+    for rank, messages in enumerate(pools.run(2, unknown_join_option)):
+        assert messages == [expected] * 3, f"rank {rank}: {messages}"
+
+
+class Terminated(NamedTuple):
+    steps: int  # optimizer steps this rank completed inside the Join
+    error: str  # what the Join raised on this rank
+
+
+def early_termination(rank: int, world_size: int, counts: list[int]) -> Terminated:
+    """``throw_on_early_termination=True``: every rank raises when the first runs out, none shadows."""
+    model = replicate(seeded(_net, 3 + rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 0
+    error = "no error"
+    try:
+        with model.join(throw_on_early_termination=True):
+            for step in range(counts[rank]):
+                _forward(model, model, data(rank, step)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+    except RuntimeError as raised:
+        error = str(raised)
+    # every rank stopped after the same synchronised steps: the replicas agree, the group still works
+    assert_group_usable(f"rank {rank} after the Join raised")
+    assert_replicas_identical(model, f"rank {rank} after the Join raised")
+    return Terminated(steps, error)
+
+
+@pytest.mark.parametrize("counts", [[2, 4], [2, 4, 3]], ids=["two-ranks", "three-ranks"])
+def test_throw_on_early_termination_raises_on_every_rank(pools, counts):
+    results = pools.run(len(counts), early_termination, counts, timeout_s=90)
+    first = min(counts)
+    for rank, r in enumerate(results):
+        assert r.steps == first, f"rank {rank}: {r}"
+        if counts[rank] == first:  # the rank that ran out: torch's Join.__exit__
+            assert r.error == f"Rank {rank} exhausted all inputs.", f"rank {rank}: {r}"
+        else:  # the others, at their next forward: torch's Join.notify_join_context
+            assert r.error == "Detected at least one rank that exhausted inputs. Throwing across all ranks.", (
+                f"rank {rank}: {r}"
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from parity import seeded
+from parity import assert_replicas_identical, digest, seeded
 from torchreplicate import replicate
 
 DIM = 8
@@ -39,15 +40,17 @@ def one_dimensional(rank: int, world_size: int, option: str) -> str:
     for step in range(3):
         model(data(rank, step)).pow(2).mean().backward()
         torch.stack([reference(data(r, step)).pow(2).mean() for r in range(world_size)]).mean().backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
         sgd(model, reference)
-    return str([p.sum().item() for p in model.parameters()])
+        assert_replicas_identical(model, f"rank {rank} after step {step}")
+    return digest(model)
 
 
 @pytest.mark.parametrize("option", ["mesh", "device_mesh"])
 def test_one_dimensional_mesh(pools, option):
-    assert len(set(pools.run(2, one_dimensional, option))) == 1
+    digests = pools.run(2, one_dimensional, option)
+    assert len(set(digests)) == 1, f"the replicas differ bitwise: {digests}"
 
 
 class TensorParallel(NamedTuple):
@@ -55,6 +58,28 @@ class TensorParallel(NamedTuple):
     grad_types: set[str]  # and of their gradients
     state_dict_types: set[str]  # and of the state_dict values
     restored: bool  # a torch.distributed.checkpoint round trip restored every parameter
+
+
+def local_digests(tensors: list[torch.Tensor]) -> list[str]:
+    """Bitwise fingerprint of each tensor's local part (a DTensor's shard on this rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        hashlib.sha256(
+            (t.to_local() if isinstance(t, DTensor) else t).detach().contiguous().numpy().tobytes()
+        ).hexdigest()
+        for t in tensors
+    ]
+
+
+def assert_same_across_group(tensors: list[torch.Tensor], group: dist.ProcessGroup, what: str) -> None:
+    """Each tensor's local part bitwise equal on every rank of ``group`` (a rank's data-parallel peers)."""
+    mine = local_digests(tensors)
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, mine, group=group)
+    peers = dist.get_process_group_ranks(group)
+    differing = [peers[i] for i, theirs in enumerate(everyone) if theirs != mine]
+    assert not differing, f"rank {dist.get_rank()}: {what}: the local shards differ from those of ranks {differing}"
 
 
 def two_dimensional(rank: int, world_size: int, checkpoint_dir: str) -> TensorParallel:
@@ -69,16 +94,19 @@ def two_dimensional(rank: int, world_size: int, checkpoint_dir: str) -> TensorPa
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     replicate(model, mesh=mesh["dp"], bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002)
     reference = seeded(_mlp, 20)
+    dp_group = mesh["dp"].get_group()  # this rank and its data-parallel peer (the same tensor-parallel shard)
     for step in range(3):
         model(data(dp_rank, step)).pow(2).mean().backward()
         torch.stack([reference(data(r, step)).pow(2).mean() for r in range(2)]).mean().backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             torch.testing.assert_close(
                 grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} step {step} {name}: {m}"
             )
+        assert_same_across_group([p.grad for p in model.parameters()], dp_group, f"step {step} gradients")
         sgd(model, reference)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_same_across_group(list(model.parameters()), dp_group, f"parameters after step {step}")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         value = p.full_tensor() if isinstance(p, DTensor) else p
         torch.testing.assert_close(value, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
     model(data(dp_rank, 9)).sum().backward()  # grads present for the type check below
@@ -134,19 +162,34 @@ def test_a_dtensor_already_spread_over_the_data_parallel_ranks_is_refused(pools)
 
 
 def mesh_errors(rank: int, world_size: int) -> list[str]:
+    """Each refused mesh argument's error, in order; "no error: ..." where one was accepted."""
     mesh2d = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
     messages = []
-    for kwargs in ({"mesh": mesh2d}, {"mesh": mesh2d["dp"], "process_group": dist.group.WORLD}, {"mesh": "dp"}):
+    for kwargs in (
+        {"mesh": mesh2d},
+        {"mesh": mesh2d["dp"], "process_group": dist.group.WORLD},
+        {"mesh": "dp"},
+        {"mesh": mesh2d["dp"], "device_mesh": mesh2d["dp"]},
+    ):
         try:
             replicate(_mlp(), **kwargs)
+            messages.append(f"no error: {sorted(kwargs)}")
         except (TypeError, ValueError) as error:
-            messages.append(str(error))
+            messages.append(f"{type(error).__name__}: {error}")
     return messages
 
 
 def test_mesh_errors_name_the_fix(pools):
-    two_d, both, wrong_type = pools.run(2, mesh_errors)[0]
-    assert "mesh must be 1-D, the data-parallel dimension; got a 2-D mesh ('dp', 'tp')" in two_d
-    assert "e.g. mesh=mesh['dp']" in two_d
-    assert "pass either process_group= or mesh=, not both" in both
-    assert "mesh must be a DeviceMesh, got str" in wrong_type
+    for rank, (two_d, both, wrong_type, both_names) in enumerate(pools.run(2, mesh_errors)):
+        assert two_d.startswith("ValueError: "), f"rank {rank}: {two_d}"
+        assert "mesh must be 1-D, the data-parallel dimension; got a 2-D mesh ('dp', 'tp')" in two_d, (
+            f"rank {rank}: {two_d}"
+        )
+        assert "e.g. mesh=mesh['dp']" in two_d, f"rank {rank}: {two_d}"
+        assert both.startswith("ValueError: "), f"rank {rank}: {both}"
+        assert "pass either process_group= or mesh=, not both" in both, f"rank {rank}: {both}"
+        assert wrong_type.startswith("TypeError: "), f"rank {rank}: {wrong_type}"
+        assert "mesh must be a DeviceMesh, got str" in wrong_type, f"rank {rank}: {wrong_type}"
+        assert both_names == "ValueError: replicate(): pass mesh= or device_mesh= (DDP's name for it), not both", (
+            f"rank {rank}: {both_names}"
+        )

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from parity import seeded
+from parity import assert_replicas_identical, assert_same_on_every_rank, seeded
 from torchreplicate import replicate
 
 DIM = 16
@@ -80,7 +80,8 @@ def bf16_training(rank: int, world_size: int, reduce_dtype: str, checkpointed: b
         rows = torch.cat([data(r, step) for r in range(world_size)])
         low = reference_grads(reference, rows, torch.bfloat16)
         full = reference_grads(reference, rows, torch.float32)
-        for (name, p), ref, exact in zip(model.named_parameters(), low, full):
+        for (name, p), ref, exact in zip(model.named_parameters(), low, full, strict=True):
+            assert_same_on_every_rank(p.grad, f"step {step} {name}.grad")
             scale = ref.abs().max().item()
             error = (p.grad - ref).abs().max().item()
             assert error <= ROUNDINGS * U * scale, (
@@ -89,9 +90,10 @@ def bf16_training(rank: int, world_size: int, reduce_dtype: str, checkpointed: b
             assert not torch.equal(p.grad, exact), f"rank {rank} {name}: the gradient is the fp32 one: no bf16 compute"
             worst = max(worst, error / scale)
         with torch.no_grad():
-            for p, q in zip(model.parameters(), reference.parameters()):
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 p -= 0.1 * p.grad
                 q -= 0.1 * p.grad  # continue from the same point: errors do not compound
+        assert_replicas_identical(model, f"rank {rank} after step {step}")
     return Result(
         worst,
         {str(p.dtype) for p in model.parameters()},

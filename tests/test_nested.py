@@ -6,9 +6,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from parity import assert_grads_match, seeded
+from parity import assert_grads_match, assert_replicas_identical, seeded
 from torchreplicate import replicate
 
 DIM = 8
@@ -58,6 +59,7 @@ def nested(rank: int, world_size: int, skip_on_rank_1: bool) -> Nested:
                 for p in module.parameters():
                     p -= 0.1 * p.grad
                 module.zero_grad()
+        assert_replicas_identical(model, f"rank {rank} after step {step}")
     states = [replicate.state(block) for block in model.blocks]
     buckets = replicate.state(model).reducer.buckets
     groups = [sorted({".".join(slot.name.split(".")[:2]) for slot in bucket.slots}) for bucket in buckets]
@@ -74,27 +76,75 @@ def test_per_block_then_root(pools, skip_on_rank_1):
 
 
 def refusals(rank: int, world_size: int) -> list[str]:
+    """The three refused nestings, in order; "no error: ..." where one was accepted."""
     messages = []
     model = Stack()
     replicate(model.blocks[0], gradient_as_bucket_view=False)
     try:
         replicate(model)
+        messages.append("no error: options that disagree")
     except ValueError as error:
         messages.append(str(error))
     outer = replicate(Stack())
     try:
         replicate(outer.blocks[0])
+        messages.append("no error: inner after outer")
     except RuntimeError as error:
         messages.append(str(error))
     try:
         replicate([Stack(), Stack()])  # type: ignore[arg-type]
+        messages.append("no error: a list")
     except TypeError as error:
         messages.append(str(error))
     return messages
 
 
 def test_nested_refusals_name_the_fix(pools):
-    options, order, listed = pools.run(2, refusals)[0]
-    assert "nested replicate() calls disagree on gradient_as_bucket_view (Sequential: False" in options
-    assert "apply replicate() to the blocks first, then to the enclosing module" in order
-    assert "replicate each block and then their common parent" in listed
+    for rank, (options, order, listed) in enumerate(pools.run(2, refusals)):
+        assert "nested replicate() calls disagree on gradient_as_bucket_view (Sequential: False" in options, (
+            f"rank {rank}: {options}"
+        )
+        assert "apply replicate() to the blocks first, then to the enclosing module" in order, f"rank {rank}: {order}"
+        assert "replicate each block and then their common parent" in listed, f"rank {rank}: {listed}"
+
+
+def different_groups(rank: int, world_size: int) -> str:
+    """A block replicated over a group of every rank, its parent over the world group: refused.
+
+    ``dist.new_group`` of all ranks is a distinct group object from the world
+    group, so the outermost module cannot reduce the block's parameters in
+    its one collective sequence. Then the fix the message names, the same
+    group for both, is applied and trains in parity with the reference.
+    """
+    every = dist.new_group(list(range(world_size)))
+    model = seeded(Stack, 60 + rank)
+    reference = seeded(Stack, 60)
+    replicate(model.blocks[0], process_group=every)
+    try:
+        replicate(model)
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    replicate(model, process_group=every)
+    assert replicate.state(model.blocks[0]).adopted, f"rank {rank}: the block was not adopted with the same group"
+    for step in range(2):
+        model(data(rank, step)).pow(2).mean().backward()
+        total = sum(reference(data(r, step)).pow(2).mean() for r in range(world_size))
+        (total / world_size).backward()
+        assert_grads_match(model, reference, f"rank {rank} step {step} (same group)")
+        with torch.no_grad():
+            for module in (model, reference):
+                for p in module.parameters():
+                    p -= 0.1 * p.grad
+                module.zero_grad()
+        assert_replicas_identical(model, f"rank {rank} after step {step} (same group)")
+    return message
+
+
+def test_nested_calls_on_different_groups_are_refused_on_every_rank(pools):
+    for rank, message in enumerate(pools.run(2, different_groups)):
+        assert message.startswith("replicate(): nested replicate() calls use different process groups"), (
+            f"rank {rank}: {message}"
+        )
+        assert "(Sequential and the enclosing Stack)" in message, f"rank {rank}: {message}"
+        assert "pass the same group or mesh to both" in message, f"rank {rank}: {message}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from parity import assert_grads_match, seeded
+from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded
 from torchreplicate import replicate
 from torchreplicate.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
 
@@ -46,6 +46,7 @@ class Tuned(NamedTuple):
     first_bucket: list[str]  # names in bucket 0 after the first step
     buckets_before: int
     buckets_after: int
+    cap_bytes: int  # the bucket cap after the steps (measured, or pinned)
 
 
 def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
@@ -63,16 +64,30 @@ def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
                 for p in m.parameters():
                     p -= 0.1 * p.grad
                 m.zero_grad()
-    buckets = replicate.state(model).reducer.buckets
-    return Tuned([s.name for s in buckets[0].slots], before, len(buckets))
+        assert_replicas_identical(model, f"rank {rank} after step {step}")
+    reducer = replicate.state(model).reducer
+    policy = reducer.layout_policy
+    assert not policy.pending, f"rank {rank}: the first step learned nothing"
+    if cap_mb is None:  # measured in the first step
+        assert policy.tune_cap and MIN_CAP <= policy.cap_bytes <= MAX_CAP, (
+            f"rank {rank}: the chosen cap {policy.cap_bytes} is outside [{MIN_CAP}, {MAX_CAP}]"
+        )
+    else:  # pinned: never measured
+        assert not policy.tune_cap and policy.cap_bytes == int(cap_mb * 1024 * 1024), (
+            f"rank {rank}: the pinned cap became {policy.cap_bytes}"
+        )
+    buckets = reducer.buckets
+    return Tuned([s.name for s in buckets[0].slots], before, len(buckets), policy.cap_bytes)
 
 
 @pytest.mark.parametrize("cap_mb", [None, 0.001], ids=["tuned-cap", "pinned-tiny-cap"])
 def test_first_step_learns_the_launch_order(pools, cap_mb):
     results = pools.run(2, tuned, cap_mb)
-    assert results[0] == results[1], "the ranks chose different layouts"
+    assert results[0] == results[1], f"the ranks chose different layouts or caps: {results}"
     r = results[0]
-    if cap_mb is not None:
+    if cap_mb is None:
+        assert MIN_CAP <= r.cap_bytes <= MAX_CAP, r
+    else:
         # tiny buckets: the first bucket holds what backward readies first, a's
         assert r.first_bucket[0].startswith("a."), r
         assert r.buckets_after == r.buckets_before, r
@@ -100,9 +115,16 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
     tuning.time = SkewedTime  # type: ignore[assignment]
     try:
         model = replicate(seeded(OutOfOrder, 1))
-        for _ in range(2):
-            model(torch.randn(4, DIM)).pow(2).mean().backward()
+        reference = seeded(OutOfOrder, 1)
+        for step in range(2):
+            x = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)]
+            model(x[rank]).pow(2).mean().backward()  # each rank its own data
+            torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
+            assert_grads_match(model, reference, f"rank {rank} step {step}")
+            for name, p in model.named_parameters():
+                assert_same_on_every_rank(p.grad, f"step {step} {name}.grad")
             model.zero_grad()
+            reference.zero_grad()
     finally:
         tuning.time = time  # type: ignore[assignment]
     reducer = replicate.state(model).reducer
@@ -112,6 +134,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
 def test_ranks_with_different_timings_choose_the_same_plan(pools):
     results = pools.run(2, skewed_clocks)
     assert results[0] == results[1], results
+    assert MIN_CAP <= results[0].cap_bytes <= MAX_CAP, results
 
 
 class Regimes(NamedTuple):
@@ -148,6 +171,7 @@ def regime_change(rank: int, world_size: int) -> Regimes:
                     for p in m.parameters():
                         p -= 0.01 * p.grad
                     m.zero_grad()
+            assert_replicas_identical(model, f"rank {rank} after step {step}")
             reducer = replicate.state(model).reducer
             caps.append(reducer.layout_policy.cap_bytes)
             layouts.append(len(reducer.buckets))
