@@ -141,6 +141,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ar
     except RuntimeError as error:
         cause = "" if error.__cause__ is None else str(error.__cause__)
         results.put((rank, None, str(error), time.monotonic() - marks[-1], cause))
+        if rank == 0:
+            # The group's store lives in rank 0's process here (under torchrun, in the
+            # agent): kept up a moment so the other survivors' diagnosis can still read it.
+            time.sleep(3)
         raise SystemExit(1) from None
     results.put((rank, value, "", 0.0, ""))
     dist.destroy_process_group()
