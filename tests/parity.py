@@ -105,3 +105,22 @@ def assert_group_usable(where: str) -> None:
     dist.all_reduce(probe)
     expected = world_size * (world_size + 1) / 2
     assert torch.equal(probe, torch.full((3,), expected)), f"{where}: the process group is unusable: {probe.tolist()}"
+
+
+def sgd_step(*modules: nn.Module, lr: float = 0.1, skip_none: bool = False) -> None:
+    """One plain SGD step on each module's parameters, then ``zero_grad()``.
+
+    Args:
+        modules: the replica and its reference (stepped alike).
+        lr: the learning rate.
+        skip_none: leave parameters without a gradient alone (frozen, unused);
+            otherwise every parameter must have one.
+    """
+    with torch.no_grad():
+        for module in modules:
+            for name, p in module.named_parameters():
+                if p.grad is None:
+                    assert skip_none, f"sgd_step: {name} has no gradient"
+                    continue
+                p -= lr * p.grad
+            module.zero_grad()

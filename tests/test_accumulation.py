@@ -1,10 +1,9 @@
 """Gradient accumulation: no_sync() and set_requires_gradient_sync(), read at backward."""
 
 import pytest
-import torch
 
 from models import Branches, data
-from parity import assert_grads_match, assert_replicas_identical, same_on_every_rank, seeded
+from parity import assert_grads_match, assert_replicas_identical, same_on_every_rank, seeded, sgd_step
 from torchreplicate import replicate
 
 
@@ -35,12 +34,7 @@ def accumulate(rank, world_size, *, micro_batches, use_context, vary_used_set):
         total = sum(loss_of(reference, r, k) for r in range(world_size) for k in range(micro_batches + 1))
         (total / world_size).backward()
         assert_grads_match(model, reference, f"rank {rank} step {step}")
-        for module in (model, reference):
-            with torch.no_grad():
-                for p in module.parameters():
-                    if p.grad is not None:
-                        p -= 0.05 * p.grad
-            module.zero_grad()
+        sgd_step(model, reference, lr=0.05, skip_none=True)
     assert_replicas_identical(model, "after 3 steps")
 
 

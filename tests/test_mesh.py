@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from parity import assert_replicas_identical, digest, seeded
+from parity import assert_replicas_identical, digest, seeded, sgd_step
 from torchreplicate import replicate
 
 DIM = 8
@@ -25,14 +25,6 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.Tanh(), nn.Linear(2 * DIM, DIM), nn.LayerNorm(DIM))
 
 
-def sgd(*modules: nn.Module) -> None:
-    with torch.no_grad():
-        for module in modules:
-            for p in module.parameters():
-                p -= 0.1 * p.grad
-            module.zero_grad()
-
-
 def one_dimensional(rank: int, world_size: int, option: str) -> str:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     model = replicate(seeded(_mlp, 10 + rank), **{option: mesh})
@@ -42,7 +34,7 @@ def one_dimensional(rank: int, world_size: int, option: str) -> str:
         torch.stack([reference(data(r, step)).pow(2).mean() for r in range(world_size)]).mean().backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
-        sgd(model, reference)
+        sgd_step(model, reference)
         assert_replicas_identical(model, f"rank {rank} after step {step}")
     return digest(model)
 
@@ -104,7 +96,7 @@ def two_dimensional(rank: int, world_size: int, checkpoint_dir: str) -> TensorPa
                 grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} step {step} {name}: {m}"
             )
         assert_same_across_group([p.grad for p in model.parameters()], dp_group, f"step {step} gradients")
-        sgd(model, reference)
+        sgd_step(model, reference)
         assert_same_across_group(list(model.parameters()), dp_group, f"parameters after step {step}")
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         value = p.full_tensor() if isinstance(p, DTensor) else p

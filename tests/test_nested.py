@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parity import assert_grads_match, assert_replicas_identical, seeded
+from parity import assert_grads_match, assert_replicas_identical, seeded, sgd_step
 from torchreplicate import replicate
 
 DIM = 8
@@ -54,11 +54,7 @@ def nested(rank: int, world_size: int, skip_on_rank_1: bool) -> Nested:
         total = sum(reference(data(r, step), skip if r == 1 else -1).pow(2).mean() for r in range(world_size))
         (total / world_size).backward()
         assert_grads_match(model, reference, f"rank {rank} step {step}")
-        with torch.no_grad():
-            for module in (model, reference):
-                for p in module.parameters():
-                    p -= 0.1 * p.grad
-                module.zero_grad()
+        sgd_step(model, reference)
         assert_replicas_identical(model, f"rank {rank} after step {step}")
     states = [replicate.state(block) for block in model.blocks]
     buckets = replicate.state(model).reducer.buckets
@@ -132,11 +128,7 @@ def different_groups(rank: int, world_size: int) -> str:
         total = sum(reference(data(r, step)).pow(2).mean() for r in range(world_size))
         (total / world_size).backward()
         assert_grads_match(model, reference, f"rank {rank} step {step} (same group)")
-        with torch.no_grad():
-            for module in (model, reference):
-                for p in module.parameters():
-                    p -= 0.1 * p.grad
-                module.zero_grad()
+        sgd_step(model, reference)
         assert_replicas_identical(model, f"rank {rank} after step {step} (same group)")
     return message
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import parity
 from models import DIM, MLP, data
 from models import TINY_DIM_BUCKETS as TINY
 from parity import assert_grads_match, digest, seeded
@@ -51,12 +52,7 @@ def reference_loss(reference: nn.Module, world_size: int, step: int) -> torch.Te
 
 
 def sgd_step(*modules: nn.Module, lr: float = 0.1) -> None:
-    with torch.no_grad():
-        for module in modules:
-            for p in module.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
-            module.zero_grad()
+    parity.sgd_step(*modules, lr=lr, skip_none=True)  # frozen and unused parameters stay
 
 
 def assert_params_match(model: nn.Module, reference: nn.Module, where: str) -> None:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import MLP, MODELS
-from parity import PER_RANK, assert_replicas_identical, local_shard, seeded
+from parity import PER_RANK, assert_replicas_identical, local_shard, seeded, sgd_step
 from torchreplicate import replicate
 
 
@@ -35,11 +35,7 @@ def reduce_in(rank, world_size, *, dtype_name, tolerance, model_name="mlp") -> f
             worst = max(worst, error)
             with torch.no_grad():
                 q.grad.copy_(p.grad)  # continue from the same point: errors do not compound
-        for module in (model, reference):
-            with torch.no_grad():
-                for p in module.parameters():
-                    p -= 0.1 * p.grad
-            module.zero_grad()
+        sgd_step(model, reference)
     assert_replicas_identical(model, f"reduce_dtype={dtype_name}, after 3 steps")
     wires = {str(w.dtype) for w in replicate.state(model).reducer.reduction.wires}
     assert wires == {f"torch.{dtype_name}"}, f"rank {rank}: gradients travelled in {wires}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded
+from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded, sgd_step
 from torchreplicate import replicate
 from torchreplicate.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
 
@@ -59,11 +59,7 @@ def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
         model(x[rank]).pow(2).mean().backward()
         torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
         assert_grads_match(model, reference, f"rank {rank} step {step}")
-        with torch.no_grad():
-            for m in (model, reference):
-                for p in m.parameters():
-                    p -= 0.1 * p.grad
-                m.zero_grad()
+        sgd_step(model, reference)
         assert_replicas_identical(model, f"rank {rank} after step {step}")
     reducer = replicate.state(model).reducer
     policy = reducer.layout_policy
@@ -166,11 +162,7 @@ def regime_change(rank: int, world_size: int) -> Regimes:
             model(x[rank]).pow(2).mean().backward()
             torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
             assert_grads_match(model, reference, f"rank {rank} step {step}")
-            with torch.no_grad():
-                for m in (model, reference):
-                    for p in m.parameters():
-                        p -= 0.01 * p.grad
-                    m.zero_grad()
+            sgd_step(model, reference, lr=0.01)
             assert_replicas_identical(model, f"rank {rank} after step {step}")
             reducer = replicate.state(model).reducer
             caps.append(reducer.layout_policy.cap_bytes)
