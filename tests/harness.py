@@ -25,7 +25,8 @@ TASK_TIMEOUT_S = 120.0  # one test function on every rank
 PG_TIMEOUT_S = 60  # a collective waiting longer fails instead of hanging
 
 
-def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
+def init_rank(rank: int, world_size: int, port: int) -> None:
+    """A spawned test rank's set-up: dies with its parent, one thread, gloo on 127.0.0.1:``port``."""
     die_with_parent()
     import torch
     import torch.distributed as dist
@@ -38,6 +39,12 @@ def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
+
+
+def _serve(rank: int, world_size: int, port: int, tasks, results) -> None:
+    init_rank(rank, world_size, port)
+    import torch.distributed as dist
+
     while True:
         task = tasks.get()
         if task is None:

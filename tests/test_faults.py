@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import queue
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness import init_rank
 from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
@@ -110,7 +110,6 @@ def test_different_options_are_refused_before_any_bucket_travels(pools):
 # -- stalls and dead peers: fresh processes, real exits ---------------------------------
 
 STALL_S = 3.0  # replicate(stall_timeout=...) in these tests
-PG_TIMEOUT_S = 60  # the process group's own timeout: the watchdog must beat it by far
 
 
 class Outcome(NamedTuple):
@@ -124,17 +123,7 @@ class Outcome(NamedTuple):
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
-    from torchreplicate.launcher import die_with_parent
-
-    die_with_parent()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
+    init_rank(rank, world_size, port)
     marks = [time.monotonic()]
     try:
         value = fn(rank, world_size, marks, *args)
