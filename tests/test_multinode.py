@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from torchreplicate import hostnet
-from torchreplicate.hostnet import HostNet, NetSpec
+from torchreplicate.hostnet import HostNet, NetSpec, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 CAN_MAKE_HOSTS, WHY_NOT = hostnet.available()
@@ -65,17 +65,6 @@ def live_namespaces() -> set[str]:
 def root_links() -> set[str]:
     listing = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10, check=True)
     return {line.split(":")[1].strip().split("@")[0] for line in listing.stdout.splitlines()}
-
-
-def wait_all(processes: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Exit codes once all have exited or one failed, else at the deadline (``None``: still running)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        codes = [process.poll() for process in processes]
-        if all(code is not None for code in codes) or any(codes):
-            return codes
-        time.sleep(0.1)
-    return [process.poll() for process in processes]
 
 
 def transfer(net: HostNet, sender: int, receiver: int, num_bytes: int) -> float:

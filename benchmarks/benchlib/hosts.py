@@ -38,7 +38,6 @@ from torchreplicate.launcher import die_with_parent
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MASTER_PORT = 29500  # each net is private to one launch, so a fixed port cannot collide
 _TAIL_LINES = 40  # of a rank's output, quoted when it fails
-_POLL_S = 0.1
 
 
 class HostRankError(RuntimeError):
@@ -127,16 +126,10 @@ def _run_ranks(
         tails.append(tail)
         forwarders.append(forwarder)
     # until all exit, one fails (the others would wait for it), or the time is up
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    while time.monotonic() < deadline:
-        codes = [process.poll() for process in processes]
-        failed = next((rank for rank, code in enumerate(codes) if code), None)
-        if failed is not None or all(code == 0 for code in codes):
-            break
-        time.sleep(_POLL_S)
-    else:
-        failed = -1
+    codes = hostnet.wait_all(processes, timeout_s)
+    failed = next((rank for rank, code in enumerate(codes) if code), None)
+    if failed is None and any(code is None for code in codes):
+        failed = -1  # timed out
     if failed is not None:
         net.close()  # kills the others, which ends their output
         for forwarder in forwarders:

@@ -74,6 +74,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple, Union
@@ -351,6 +352,22 @@ class HostNet:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, handler)
         self._previous_handlers.clear()
+
+
+def wait_all(processes: Sequence[subprocess.Popen[Any]], timeout_s: float) -> list[int | None]:
+    """Exit codes once all exited or one failed (the others would wait for it), else at the deadline.
+
+    ``None`` for a process still running. The hosts' processes of one job
+    (one rank per host) end together or not at all: a failure anywhere ends
+    the wait at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [process.poll() for process in processes]
+        if all(code is not None for code in codes) or any(codes):
+            return codes
+        time.sleep(0.1)
+    return [process.poll() for process in processes]
 
 
 def available() -> tuple[bool, str]:

@@ -11,11 +11,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import IO
 
-from torchreplicate.hostnet import HostNet
+from torchreplicate.hostnet import HostNet, wait_all
 from torchreplicate.netns import KILL_GRACE_S
 
 
@@ -51,16 +50,11 @@ def _run_everywhere(net: HostNet, command: Sequence[str], timeout_s: float) -> i
     for forwarder in forwarders:
         forwarder.start()
     # Until all exit, one fails (the others would wait for it), or the time is up.
-    status = 124
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        codes = [process.poll() for process in processes]
-        failures = [code for code in codes if code]
-        if failures or all(code == 0 for code in codes):
-            status = _exit_status(failures[0]) if failures else 0
-            break
-        time.sleep(0.1)
-    else:
+    codes = wait_all(processes, timeout_s)
+    failures = [code for code in codes if code]
+    status = _exit_status(failures[0]) if failures else 0
+    if not failures and any(code is None for code in codes):
+        status = 124
         print(f"hostnet: timed out after {timeout_s:.0f} s; killing every host's processes", file=sys.stderr)
     net.close()  # kills what is left, which ends the output
     for forwarder in forwarders:
