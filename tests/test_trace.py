@@ -301,3 +301,29 @@ def test_the_example_traces_summarises_and_checks(tmp_path):
         events = json.load(file)["traceEvents"]
     assert sum(e["name"] == "backward" for e in events) == 2 * 20
     assert {e["name"] for e in events} >= {"bucket 0 reduce", "bucket 1 reduce"}
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda m: torchreplicate.trace(3, model=m), TypeError, "trace(): path must be a str or os.PathLike, got int"),
+        (
+            lambda m: torchreplicate.trace("t.json", model=m, max_steps=0),
+            ValueError,
+            "trace(): max_steps must be a positive int or None, got 0",
+        ),
+        (
+            lambda m: torchreplicate.trace("t.json", model=m, plot=1.5),
+            TypeError,
+            "trace(): plot must be a bool or a path, got float",
+        ),
+        (lambda m: torchreplicate.trace("t.json", model=m), ValueError, "trace(): replicate.state(): Linear is not"),
+        (lambda m: torchreplicate.log_summary(m, every=0), ValueError, "every must be a positive int, got 0"),
+        (lambda m: torchreplicate.log_summary(m), ValueError, "log_summary(): replicate.state(): Linear is not"),
+        (lambda m: torchreplicate.verify_replicas(m), ValueError, "verify_replicas(): replicate.state(): Linear is"),
+    ],
+)
+def test_observers_refuse_bad_arguments_naming_them(call, error, words):
+    with pytest.raises(error) as info:
+        call(torch.nn.Linear(2, 2))  # not replicated: the argument checks come first, no collective
+    assert words in str(info.value), str(info.value)
