@@ -400,20 +400,28 @@ class Normed(nn.Module):
 def compiled_with_buffers(rank: int, world_size: int, backend: str) -> str:
     """BatchNorm buffers broadcast every forward, under torch.compile.
 
-    Batch statistics are per rank, so the reference is the eager replica's
-    own twin (same data, no compile): compiled and eager must agree.
+    Batch statistics are per rank (as DDP's), so the one-process reference
+    runs BatchNorm in training mode on each rank's shard and averages the
+    losses; the eager replica is the compiled one's twin (same data, no
+    compile): its buffers must agree too.
     """
     torch._dynamo.reset()
     eager = replicate(seeded(Normed, 100 + rank))
     compiled_model = replicate(seeded(Normed, 100 + rank))
+    reference = seeded(Normed, 100)  # rank 0's, which replicate() broadcast
     compiled = torch.compile(compiled_model, backend=backend)
     for step in range(3):
         x = data(rank, step) + rank
         compiled(x).pow(2).mean().backward()
         eager(x).pow(2).mean().backward()
-        for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters()):
+        (sum(reference(data(r, step) + r).pow(2).mean() for r in range(world_size)) / world_size).backward()
+        named = zip(compiled_model.named_parameters(), eager.parameters(), reference.parameters(), strict=True)
+        for (name, p), q, ref in named:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
-        sgd_step(compiled_model, eager)
+            torch.testing.assert_close(
+                p.grad, ref.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name} vs one process: {m}"
+            )
+        sgd_step(compiled_model, eager, reference)
     for name in ("running_mean", "running_var"):
         a, b = getattr(compiled_model.norm, name), getattr(eager.norm, name)
         torch.testing.assert_close(a, b, msg=lambda m: f"rank {rank} {name}: {m}")
