@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch.distributed as dist
 
+from torchreplicate.torch_internals import num_post_accumulate_grad_hooks
+
 if TYPE_CHECKING:
     import torch
 
@@ -142,7 +144,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 def refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
     """Refuses a replicated parameter that carries someone else's post-accumulate-grad hook (at set-up)."""
     for slot in slots:
-        if slot.param._post_accumulate_grad_hooks:
+        if num_post_accumulate_grad_hooks(slot.param):
             raise foreign_hook_error(slot)
 
 

@@ -233,7 +233,7 @@ class Reducer:
         grad = param.grad
         if grad is None:
             return  # an undefined gradient (a Function returned None): nothing accumulated
-        if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other: 90 ns
+        if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other (torch_internals.num_post_...): 90 ns
             raise foreign_hook_error(slot)  # registered after replicate() (before: refused at set-up)
         if not self.sync.on:
             self.layout.keep_local(slot)

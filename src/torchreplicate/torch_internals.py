@@ -46,6 +46,18 @@ def profiler_active() -> bool:
     return PROFILER._is_profiler_enabled is True
 
 
+def num_post_accumulate_grad_hooks(param: nn.Parameter) -> int:
+    """How many post-accumulate-grad hooks ``param`` carries (``param._post_accumulate_grad_hooks``).
+
+    torch has a public way to add such a hook, none to list them; the dict is
+    where ``Tensor.register_post_accumulate_grad_hook`` puts them (torch >=
+    2.2), None before the first. The reducer's gradient hook reads the same
+    attribute inline (on the hot path, a function call would double its cost).
+    """
+    hooks = param._post_accumulate_grad_hooks
+    return 0 if hooks is None else len(hooks)
+
+
 def num_in_backward_optimizer_params() -> int:
     """How many parameters torch's ``_apply_optimizer_in_backward`` has claimed, process-wide.
 
