@@ -21,6 +21,15 @@ def test_fit_recovers_a_line():
     assert abs(link.latency_s - 0.001) < 1e-9 and abs(link.bytes_per_s - 1e8) / 1e8 < 1e-9
 
 
+def test_fit_reads_latency_off_the_smallest_size():
+    # the large sizes' noise (2 MiB measured fast) must not move the latency
+    sizes = [4096, 2 * 2**20, 8 * 2**20]
+    link = fit_link(sizes, [0.0005, 0.0015, 0.0085])
+    slope = (0.0085 - 0.0015) / (sizes[2] - sizes[1])
+    assert abs(link.bytes_per_s - 1 / slope) / link.bytes_per_s < 1e-9
+    assert abs(link.latency_s - (0.0005 - slope * 4096)) < 1e-12 and link.latency_s > 0.00049
+
+
 def test_cap_follows_the_link():
     slow = choose_cap(LinkModel(latency_s=0.0003, bytes_per_s=125e6))  # 1 Gbit/s
     fast = choose_cap(LinkModel(latency_s=0.0003, bytes_per_s=10e9))

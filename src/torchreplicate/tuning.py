@@ -45,8 +45,8 @@ DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB
-CALIBRATION_BYTES = (256 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed
-CALIBRATION_REPEATS = 5  # their median counts: a busy machine's typical cost, not its best
+CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed: latency, then bandwidth
+CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, not its best
 RETUNE_EVERY = 1000  # synchronised steps between two measurements of the link
 RETUNE_FACTOR = 2.0  # the cap changes only if the new one differs by more than this
 
@@ -63,14 +63,22 @@ class LinkModel(NamedTuple):
 
 
 def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> LinkModel:
-    """Least-squares line through (bytes, seconds); pure, tested alone."""
-    n = len(sizes)
-    mean_x = sum(sizes) / n
-    mean_y = sum(seconds) / n
-    var_x = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / var_x if var_x else 0.0
+    """``time = latency + bytes / bandwidth`` through measured all-reduces; pure, tested alone.
+
+    The latency is read off the smallest size (whose transfer is nearly
+    nothing), the bandwidth off the two largest (the slope between them):
+    each from the points that show it. A least-squares line through all of
+    them lets the large sizes' noise decide the intercept, which on a busy
+    2-core machine swung the chosen cap from 0.5 to 64 MiB between two
+    measurements of the same link.
+    """
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    small, middle, large = order[0], order[-2], order[-1]
+    slope = (seconds[large] - seconds[middle]) / (sizes[large] - sizes[middle])
+    if slope <= 0:  # noise at the large sizes: their mean rate instead
+        slope = seconds[large] / sizes[large]
     slope = max(slope, 1e-13)  # faster than 10 TB/s: noise
-    latency = max(mean_y - slope * mean_x, 0.0)
+    latency = max(seconds[small] - slope * sizes[small], 0.0)
     return LinkModel(latency, 1.0 / slope)
 
 
