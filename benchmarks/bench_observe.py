@@ -49,7 +49,7 @@ from benchlib.report import RESULTS_DIR, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_round_ratios
 from torchreplicate import log_summary, replicate, trace, verify_replicas
-from torchreplicate.timeline import StepRecorder
+from torchreplicate.observe.timeline import StepRecorder
 
 MODELS = ("mlp", "small")
 ENGINES = ("off", "null", "trace", "summary", "both")

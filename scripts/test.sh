@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then lints (ruff), type-checks src/ (mypy) and runs
-# the whole test suite. Extra arguments go to pytest.
+# Sets up .venv if needed, then lints (ruff), type-checks src/ (mypy), checks
+# the import contracts (import-linter) and runs the whole test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache  # pyproject's [tool.importlinter]: layers, and no import cycles
 exec .venv/bin/python -m pytest "$@"

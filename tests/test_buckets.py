@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchreplicate.bucket_plan import MiB, plan_buckets
+from torchreplicate.reducer.bucket_plan import MiB, plan_buckets
 
 F32, F16 = torch.float32, torch.float16
 CPU = torch.device("cpu")

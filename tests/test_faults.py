@@ -17,7 +17,7 @@ from harness import init_rank
 from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
-from torchreplicate.diagnostics import DesyncReport, format_desync
+from torchreplicate.errors import DesyncReport, format_desync
 from torchreplicate.launcher import free_port
 
 
@@ -310,7 +310,7 @@ def test_healthy_slow_steps_never_trip_the_watchdog():
 
 
 def test_who_is_where_sentence():
-    from torchreplicate.watchdog import Note, describe_notes
+    from torchreplicate.reducer.watchdog import Note, describe_notes
 
     def note(rank, phase, step=12, seconds=1.0, failed=False, alive=True):
         return Note(rank, phase, step, seconds, failed, "hostA", 100 + rank, 7, alive)

@@ -25,9 +25,9 @@ from models import TINY_DIM_BUCKETS as TINY
 from parity import seeded
 from test_dynamic_graphs import Reused, reused_growing
 from torchreplicate import replicate
-from torchreplicate.summary import summarize
-from torchreplicate.timeline import StepRecorder
-from torchreplicate.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
+from torchreplicate.observe.summary import summarize
+from torchreplicate.observe.timeline import StepRecorder
+from torchreplicate.observe.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
 
 ROOT = Path(__file__).resolve().parent.parent
 

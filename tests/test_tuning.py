@@ -10,7 +10,7 @@ from torch import nn
 
 from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded, sgd_step
 from torchreplicate import replicate
-from torchreplicate.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
+from torchreplicate.reducer.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
 
 DIM = 16
 
@@ -107,7 +107,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
     """Each rank's clock runs at its own speed: the ranks must still choose the same buckets."""
     import time
 
-    from torchreplicate import tuning
+    from torchreplicate.reducer import tuning
 
     real = time.perf_counter
     speed = 1.0 + 4.0 * rank  # rank 1 measures every all-reduce 5x slower
@@ -149,7 +149,7 @@ class Regimes(NamedTuple):
 
 def regime_change(rank: int, world_size: int) -> Regimes:
     """The link measures fast, then (from the 3rd measurement) slow: the buckets follow, exactly."""
-    from torchreplicate import tuning
+    from torchreplicate.reducer import tuning
 
     measured = []
 

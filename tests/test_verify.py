@@ -11,7 +11,7 @@ from torch import nn
 from models import DIM, data
 from parity import seeded
 from torchreplicate import ReplicaMismatchError, replicate, verify_replicas
-from torchreplicate.verify import tensor_digest
+from torchreplicate.observe.verify import tensor_digest
 
 
 class Net(nn.Module):

@@ -44,7 +44,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from benchlib.engines import Engine
-from torchreplicate.profiling import labelled
+from torchreplicate.reducer.profiling import labelled
 
 LABEL_PREFIX = "torchreplicate::"
 STEP = "benchlib::step"  # one profiled step: the unit of the per-step figures

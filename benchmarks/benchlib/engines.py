@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchlib.models import build_model, loss_of
 from torchreplicate import ReplicateModule, replicate
-from torchreplicate.reducer import Reducer
+from torchreplicate.reducer.reducer import Reducer
 
 # What build_engine makes:
 # - local: the bare model, no communication;

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from benchlib.engines import Engine
 from benchlib.models import loss_of
 from torchreplicate import ReplicateModule, replicate
-from torchreplicate.timeline import StepRecord, subscribe, unsubscribe
+from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
 
 
 def step_marks(record: StepRecord, t0_ns: int) -> dict[str, Any]:

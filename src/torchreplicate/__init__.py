@@ -7,12 +7,13 @@ every backward, each parameter's ``.grad`` is the mean over all ranks.
 from typing import Any
 
 from torchreplicate.api import ReplicateModule, replicate
-from torchreplicate.comm_hooks import GradBucket
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.state import ReplicateState
-from torchreplicate.summary import StepSummary, log_summary
-from torchreplicate.tracing import trace
-from torchreplicate.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
+from torchreplicate.core.state import ReplicateState
+from torchreplicate.observe.summary import StepSummary, log_summary
+from torchreplicate.observe.tracing import trace
+from torchreplicate.observe.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
+from torchreplicate.reducer.comm_hooks import GradBucket
+from torchreplicate.version import __version__ as __version__
 
 __all__ = [
     "GradBucket",
@@ -28,7 +29,6 @@ __all__ = [
     "trace",
     "verify_replicas",
 ]
-__version__ = "0.2.0.dev0"
 
 
 def __getattr__(name: str) -> Any:

@@ -15,11 +15,11 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from torchreplicate import torch_internals
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
-from torchreplicate.nested import class_name, is_fully_sharded
-from torchreplicate.registry import enclosing_state, find_state, get_state, register_state, unregister_state
-from torchreplicate.state import ReplicateState, warn_no_effect
+from torchreplicate.core.nested import class_name, is_fully_sharded
+from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
+from torchreplicate.core.state import ReplicateState, warn_no_effect
+from torchreplicate.torch_internals import disable_join
 
 
 class ReplicateModule:
@@ -309,7 +309,7 @@ def _attach_state(module: nn.Module, config: ReplicateConfig, process_group: Opt
         unregister_state(module)
         raise
     module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
-    torch_internals.disable_join(module)  # torch's join config, disabled until a Join
+    disable_join(module)  # torch's join config, disabled until a Join
     return module
 
 

@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.mixed_precision import policy_dtypes
-
 
 @dataclass(frozen=True)
 class ReplicateConfig:
@@ -221,3 +219,19 @@ def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.devic
         f"replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a torch.device, "
         f"got {device_id!r} ({type(device_id).__name__}); pass e.g. torch.device('cpu') or 0"
     )
+
+
+def policy_dtypes(policy: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
+    """(param_dtype, the wire dtype) of a ``MixedPrecisionPolicy``.
+
+    Raises:
+        TypeError: not a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "replicate(): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(policy).__name__}; e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    return policy.param_dtype, policy.reduce_dtype or policy.param_dtype

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from torchreplicate import torch_internals
-from torchreplicate.registry import find_state
+from torchreplicate.core.registry import find_state
+from torchreplicate.torch_internals import fully_sharded_modules
 
 if TYPE_CHECKING:
-    from torchreplicate.state import ReplicateState
+    from torchreplicate.core.state import ReplicateState
 
 # What decides how a parameter is reduced: nested modules must agree on it.
 REDUCTION_OPTIONS = ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor")
@@ -47,7 +47,7 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 def refuse_inside_fully_shard(module: nn.Module) -> None:
     """Raises RuntimeError if ``module`` is inside another module that ``fully_shard`` manages."""
-    for sharded in torch_internals.fully_sharded_modules():
+    for sharded in fully_sharded_modules():
         if sharded is not module and any(m is module for m in sharded.modules()):
             raise RuntimeError(
                 f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from torchreplicate.registry import get_state
+from torchreplicate.core.registry import get_state
 
 Subscriber = Callable[["StepRecord"], None]
 

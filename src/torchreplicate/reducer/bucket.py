@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.dtensors import grad_wrapper, is_dtensor, local, local_grad
+from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 
 NEVER = 1 << 60  # firings a bucket waits for when it cannot become ready from hooks
 

@@ -35,7 +35,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.dtensors import local
+from torchreplicate.reducer.dtensors import local
 
 BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.dtensors import local
-from torchreplicate.registry import get_state
+from torchreplicate.core.registry import get_state
+from torchreplicate.reducer.dtensors import local
 
 _NO_TENSOR = -(2**63)  # the digest of a missing tensor (a gradient that is None)
 

@@ -17,10 +17,10 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate import torch_internals
-from torchreplicate.bucket import Bucket, ParamSlot
-from torchreplicate.collectives import WeakGroup, all_reduce
-from torchreplicate.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
+from torchreplicate.reducer.bucket import Bucket, ParamSlot
+from torchreplicate.reducer.collectives import WeakGroup, all_reduce
+from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
+from torchreplicate.torch_internals import traced_all_reduce
 
 
 class Reduction:
@@ -183,7 +183,7 @@ class AllReduce(Reduction):
         mean = grad / self.divide_factor
         if self.reduce_dtype is not None:
             mean = mean.to(self.reduce_dtype)
-        return torch_internals.traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
+        return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         assert self.weak_group is not None, "bind() comes first"

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
-from torchreplicate.timeline import BucketTimes, StepRecord
+from torchreplicate.observe.timeline import BucketTimes, StepRecord
 
 STEP_ROW = 0  # tid of a rank's step row; bucket k is row 1 + k
 

@@ -32,10 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import torchreplicate
-from torchreplicate.registry import get_state
-from torchreplicate.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, plot_trace, rank_events
+from torchreplicate.core.registry import get_state
+from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
+from torchreplicate.observe.trace_format import (
+    BucketInfo,
+    ForwardSpan,
+    RankTrace,
+    chrome_trace,
+    plot_trace,
+    rank_events,
+)
+from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
 
@@ -245,7 +252,7 @@ class Tracer:
 
     def _other_data(self, num_ranks: int) -> dict[str, Any]:
         return {
-            "producer": f"torchreplicate {torchreplicate.__version__} trace()",
+            "producer": f"torchreplicate {__version__} trace()",
             "num_ranks": num_ranks,
             "clock": "microseconds since each rank's own t0, taken right after a barrier at trace start",
             "max_steps": self.max_steps,

@@ -27,23 +27,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.plan import Plan
-
-
-def policy_dtypes(policy: Any) -> tuple[Optional[torch.dtype], Optional[torch.dtype]]:
-    """(param_dtype, the wire dtype) of a ``MixedPrecisionPolicy``.
-
-    Raises:
-        TypeError: not a ``torch.distributed.fsdp.MixedPrecisionPolicy``.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(
-            "replicate(): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-            f"{type(policy).__name__}; e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
-        )
-    return policy.param_dtype, policy.reduce_dtype or policy.param_dtype
+from torchreplicate.config import policy_dtypes
+from torchreplicate.core.plan import Plan
 
 
 class MixedPrecision:

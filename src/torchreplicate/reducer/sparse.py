@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate.bucket import ParamSlot
-from torchreplicate.collectives import all_reduce
+from torchreplicate.reducer.bucket import ParamSlot
+from torchreplicate.reducer.collectives import all_reduce
 
 
 class SparseGrads:

@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from torchreplicate.switches import TrainingClock
+from torchreplicate.reducer.switches import TrainingClock
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)

@@ -21,7 +21,7 @@ from torch.nn.modules import module as torch_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 if TYPE_CHECKING:
-    from torchreplicate.state import ReplicateState
+    from torchreplicate.core.state import ReplicateState
 
 _STATES: weakref.WeakKeyDictionary[object, ReplicateState] = weakref.WeakKeyDictionary()
 

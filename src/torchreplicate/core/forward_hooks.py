@@ -16,15 +16,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate import torch_internals
-from torchreplicate.collectives import broadcast_coalesced, is_transport_error
-from torchreplicate.join import training_join_round
-from torchreplicate.profiling import labelled
-from torchreplicate.reduction import HookReduction, compiled_hook_error
+from torchreplicate.core.join import training_join_round
+from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
+from torchreplicate.reducer.profiling import labelled
+from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
+from torchreplicate.torch_internals import compiled_autograd_enabled
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer import Reducer
-    from torchreplicate.state import ReplicateState
+    from torchreplicate.core.state import ReplicateState
+    from torchreplicate.reducer.reducer import Reducer
 
 
 class ForwardHooks:
@@ -87,7 +87,7 @@ def sync_before_forward(state: ReplicateState) -> None:
     """
     if not torch.is_grad_enabled() or state.adopted:
         return  # no collective: one rank may evaluate alone ([Note: re-planning])
-    if isinstance(state.reduction, HookReduction) and torch_internals.compiled_autograd_enabled():
+    if isinstance(state.reduction, HookReduction) and compiled_autograd_enabled():
         raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
     buffer_source = 0
     if state.joining:  # inside a Join context ([Note: join] in join.py)

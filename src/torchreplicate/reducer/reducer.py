@@ -49,28 +49,28 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.compiler import is_compiling
 
-from torchreplicate import torch_internals, tuning
-from torchreplicate.bucket import Bucket, ParamSlot, StepState, layout_digest
-from torchreplicate.collectives import WeakGroup, is_transport_error
-from torchreplicate.diagnostics import (
+from torchreplicate.errors import (
     changed_since_plan,
     foreign_hook_error,
     raise_with_place,
     refuse_foreign_hooks,
     warn_create_graph,
 )
-from torchreplicate.dtensors import local
-from torchreplicate.events import StepEvents
-from torchreplicate.flags import StepFlags, num_flags
-from torchreplicate.grad_layout import GradLayout
-from torchreplicate.profiling import PREFIX, labelled
-from torchreplicate.reduction import Reduction
-from torchreplicate.sparse import SparseGrads
-from torchreplicate.step_end import finish_step
-from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
-from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
-from torchreplicate.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
-from torchreplicate.watchdog import StallWatch
+from torchreplicate.reducer import tuning
+from torchreplicate.reducer.bucket import Bucket, ParamSlot, StepState, layout_digest
+from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
+from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.events import StepEvents
+from torchreplicate.reducer.flags import StepFlags, num_flags
+from torchreplicate.reducer.grad_layout import GradLayout
+from torchreplicate.reducer.profiling import PREFIX, labelled
+from torchreplicate.reducer.reduction import Reduction
+from torchreplicate.reducer.sparse import SparseGrads
+from torchreplicate.reducer.step_end import finish_step
+from torchreplicate.reducer.switches import Learned, SyncSwitch, TrainingClock
+from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
+from torchreplicate.reducer.watchdog import StallWatch
+from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback, remove_in_backward_optimizer_hooks
 
 
 class Reducer:
@@ -167,7 +167,7 @@ class Reducer:
         # gradient, so they go, and the reducer steps after the average.
         slots = [slot for slot in self.slots if slot.optimizers]
         for slot in slots:
-            torch_internals.remove_in_backward_optimizer_hooks(slot.param)
+            remove_in_backward_optimizer_hooks(slot.param)
         return slots
 
     def _register_hooks(self) -> None:

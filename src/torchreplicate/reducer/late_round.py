@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate.bucket import Bucket
-from torchreplicate.collectives import all_reduce
-from torchreplicate.dtensors import local
-from torchreplicate.grad_layout import LateGrads
+from torchreplicate.reducer.bucket import Bucket
+from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.grad_layout import LateGrads
 
 
 def reduce_late(

@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from torchreplicate.diagnostics import format_option_mismatch, format_param_mismatch
-from torchreplicate.dtensors import describe_placement
+from torchreplicate.errors import format_option_mismatch, format_param_mismatch
+from torchreplicate.reducer.dtensors import describe_placement
 
 
 class WeakGroup:

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.collectives import all_reduce
-from torchreplicate.registry import get_state
-from torchreplicate.timeline import StepRecord, subscribe, unsubscribe
+from torchreplicate.core.registry import get_state
+from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
+from torchreplicate.reducer.collectives import all_reduce
 
 logger = logging.getLogger("torchreplicate")
 

@@ -17,21 +17,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate import forward_hooks, join, nested, torch_internals
-from torchreplicate.collectives import WeakGroup, broadcast_coalesced, is_transport_error, verify_params_across_ranks
-from torchreplicate.comm_hooks import check_hook_options
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.dtensors import check_mesh_apart, local
-from torchreplicate.events import StepEvents
-from torchreplicate.grad_layout import grad_layout
-from torchreplicate.mixed_precision import MixedPrecision
-from torchreplicate.nested import class_name, is_fully_sharded
-from torchreplicate.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
-from torchreplicate.reducer import Reducer
-from torchreplicate.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.registry import registration_count
-from torchreplicate.switches import Learned, SyncSwitch, TrainingClock
-from torchreplicate.watchdog import StallWatch
+from torchreplicate.core import forward_hooks, join, nested
+from torchreplicate.core.mixed_precision import MixedPrecision
+from torchreplicate.core.nested import class_name, is_fully_sharded
+from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
+from torchreplicate.core.registry import registration_count
+from torchreplicate.reducer.collectives import (
+    WeakGroup,
+    broadcast_coalesced,
+    is_transport_error,
+    verify_params_across_ranks,
+)
+from torchreplicate.reducer.comm_hooks import check_hook_options
+from torchreplicate.reducer.dtensors import check_mesh_apart, local
+from torchreplicate.reducer.events import StepEvents
+from torchreplicate.reducer.grad_layout import grad_layout
+from torchreplicate.reducer.reducer import Reducer
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.reducer.switches import Learned, SyncSwitch, TrainingClock
+from torchreplicate.reducer.watchdog import StallWatch
+from torchreplicate.torch_internals import num_composable_states, num_in_backward_optimizer_params
 
 MiB = 1024 * 1024
 
@@ -264,8 +270,8 @@ class ReplicateState:
         return (
             registration_count(),
             self._num_conversions,
-            torch_internals.num_in_backward_optimizer_params(),
-            torch_internals.num_composable_states(),
+            num_in_backward_optimizer_params(),
+            num_composable_states(),
         )
 
     def _make_plan(self) -> Plan:

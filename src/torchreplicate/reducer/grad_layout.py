@@ -13,10 +13,10 @@ from typing import Sequence
 
 import torch
 
-from torchreplicate.bucket import Bucket, ParamSlot, StepState
-from torchreplicate.dtensors import grad_wrapper, local
-from torchreplicate.flags import FlagSums
-from torchreplicate.reduction import Reduction
+from torchreplicate.reducer.bucket import Bucket, ParamSlot, StepState
+from torchreplicate.reducer.dtensors import grad_wrapper, local
+from torchreplicate.reducer.flags import FlagSums
+from torchreplicate.reducer.reduction import Reduction
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
 

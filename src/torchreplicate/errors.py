@@ -12,7 +12,7 @@ from torchreplicate.torch_internals import num_post_accumulate_grad_hooks
 if TYPE_CHECKING:
     import torch
 
-    from torchreplicate.bucket import ParamSlot
+    from torchreplicate.reducer.bucket import ParamSlot
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 

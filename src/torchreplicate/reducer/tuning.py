@@ -36,9 +36,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate.bucket import Bucket, ParamSlot
-from torchreplicate.bucket_plan import plan_buckets
-from torchreplicate.dtensors import local
+from torchreplicate.reducer.bucket import Bucket, ParamSlot
+from torchreplicate.reducer.bucket_plan import plan_buckets
+from torchreplicate.reducer.dtensors import local
 
 MiB = 1024 * 1024
 DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)

@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from torchreplicate import torch_internals
-from torchreplicate.collectives import all_reduce, broadcast_coalesced
-from torchreplicate.dtensors import local
-from torchreplicate.flags import num_flags
+from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
+from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.flags import num_flags
+from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer import Reducer
-    from torchreplicate.state import ReplicateState
+    from torchreplicate.core.state import ReplicateState
+    from torchreplicate.reducer.reducer import Reducer
 
 
 class JoinRound(NamedTuple):
@@ -129,7 +129,7 @@ class ReplicateJoinHook(JoinHook):
 def end_join(state: ReplicateState) -> None:
     """Every rank joined: back to no join rounds and the usual divisor."""
     state.join_divides_by_training = False
-    torch_internals.disable_join(state.module)
+    disable_join(state.module)
     if state.reducer is not None:
         state.reducer.reduction.set_divide_factor(None)
 

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from torchreplicate.bucket import Bucket, ParamSlot, StepState, layout_digest
-from torchreplicate.diagnostics import desync_error, raise_with_place
-from torchreplicate.flags import FlagSums
-from torchreplicate.grad_layout import LateGrads
-from torchreplicate.late_round import reduce_late
-from torchreplicate.profiling import labelled
+from torchreplicate.errors import desync_error, raise_with_place
+from torchreplicate.reducer.bucket import Bucket, ParamSlot, StepState, layout_digest
+from torchreplicate.reducer.flags import FlagSums
+from torchreplicate.reducer.grad_layout import LateGrads
+from torchreplicate.reducer.late_round import reduce_late
+from torchreplicate.reducer.profiling import labelled
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer import Reducer
+    from torchreplicate.reducer.reducer import Reducer
 
 
 def finish_step(reducer: Reducer, step: StepState) -> None:

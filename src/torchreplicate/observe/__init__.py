@@ -1,0 +1,1 @@
+"""Read-only views of the steps: the timeline recorder, ``trace()``, ``log_summary()``, ``verify_replicas()``."""
