@@ -39,7 +39,7 @@ class Stack(nn.Module):
 class Nested(NamedTuple):
     bucket_groups: list[list[str]]  # per bucket, the prefixes of its parameters
     inner_reducers: int  # reducers the blocks kept (must be 0)
-    adopted: list[bool]
+    nested: list[bool]
 
 
 def nested(rank: int, world_size: int, skip_on_rank_1: bool) -> Nested:
@@ -59,13 +59,13 @@ def nested(rank: int, world_size: int, skip_on_rank_1: bool) -> Nested:
     states = [replicate.state(block) for block in model.blocks]
     buckets = replicate.state(model).reducer.buckets
     groups = [sorted({".".join(slot.name.split(".")[:2]) for slot in bucket.slots}) for bucket in buckets]
-    return Nested(groups, sum(s.reducer is not None for s in states), [s.adopted for s in states])
+    return Nested(groups, sum(s.reducer is not None for s in states), [s.nested for s in states])
 
 
 @pytest.mark.parametrize("skip_on_rank_1", [False, True], ids=["static", "block-skipped-on-one-rank"])
 def test_per_block_then_root(pools, skip_on_rank_1):
     for r in pools.run(2, nested, skip_on_rank_1):
-        assert r.inner_reducers == 0 and r.adopted == [True, True, True], r
+        assert r.inner_reducers == 0 and r.nested == [True, True, True], r
         for prefixes in r.bucket_groups:
             blocks = [p for p in prefixes if p.startswith("blocks.")]
             assert len(blocks) <= 1 and (not blocks or len(prefixes) == 1), f"a bucket mixes blocks: {prefixes}"
@@ -122,7 +122,7 @@ def different_groups(rank: int, world_size: int) -> str:
     except ValueError as error:
         message = str(error)
     replicate(model, process_group=every)
-    assert replicate.state(model.blocks[0]).adopted, f"rank {rank}: the block was not adopted with the same group"
+    assert replicate.state(model.blocks[0]).nested, f"rank {rank}: the block was not nested with the same group"
     for step in range(2):
         model(data(rank, step)).pow(2).mean().backward()
         total = sum(reference(data(r, step)).pow(2).mean() for r in range(world_size))

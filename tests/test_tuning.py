@@ -72,7 +72,7 @@ def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
         assert_replicas_identical(model, f"rank {rank} after step {step}")
     reducer = replicate.state(model).reducer
     policy = reducer.layout_policy
-    assert not policy.pending, f"rank {rank}: the first step learned nothing"
+    assert policy.learned, f"rank {rank}: the first step learned nothing"
     if cap_mb is None:  # measured in the first step
         assert policy.tune_cap and MIN_CAP <= policy.cap_bytes <= MAX_CAP, (
             f"rank {rank}: the chosen cap {policy.cap_bytes} is outside [{MIN_CAP}, {MAX_CAP}]"

@@ -1,7 +1,8 @@
 """Our reducer's phases per step, read from the library's ``torch.profiler`` labels.
 
-The library runs each phase inside ``record_function("torchreplicate::<phase>")``
-while a profiler is active (src/torchreplicate/profiling.py): ``hook`` (a
+The library runs each phase inside ``record_function("torchreplicate::<phase>")``,
+with `` (bucket k)`` after the phase where it concerns one bucket,
+while a profiler is active (src/torchreplicate/reducer/probe.py): ``hook`` (a
 parameter's post-accumulate-grad hook), ``launch`` (one bucket's collective
 issued, from a hook or from the end of backward), ``wait`` (one bucket
 awaited), ``finalize`` (the end-of-backward callback), ``late_round``, and
@@ -44,7 +45,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from benchlib.engines import Engine
-from torchreplicate.reducer.profiling import labelled
+from torchreplicate.reducer.probe import labelled
 
 LABEL_PREFIX = "torchreplicate::"
 STEP = "benchlib::step"  # one profiled step: the unit of the per-step figures
@@ -273,7 +274,7 @@ def missing_message(missing: Sequence[str], steps: int) -> str:
     """The warning for phases that never showed up in the profile."""
     return (
         f"reducer breakdown: profiler label(s) {', '.join(missing)} never recorded in {steps} profiled steps; "
-        "their columns read MISSING. Did the library rename or drop them (src/torchreplicate/profiling.py)?"
+        "their columns read MISSING. Did the library rename or drop them (src/torchreplicate/reducer/probe.py)?"
     )
 
 
@@ -395,8 +396,8 @@ def _one_pass_ms(engine: Engine) -> Optional[float]:
 
 
 def _phase_of(event: ProfilerEvent) -> Optional[str]:
-    name = event.name
-    return name[len(LABEL_PREFIX) :] if name.startswith(LABEL_PREFIX) else None
+    name = event.name  # torchreplicate::<phase>, or torchreplicate::<phase> (bucket k)
+    return name[len(LABEL_PREFIX) :].split(" (bucket ")[0] if name.startswith(LABEL_PREFIX) else None
 
 
 def _enclosing_step(event: ProfilerEvent, step_index: dict[int, int]) -> Optional[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import functools
+import warnings
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
-from torchreplicate.core.state import ReplicateState, warn_no_effect
+from torchreplicate.core.state import ReplicateState
 from torchreplicate.torch_internals import disable_join
 
 
@@ -333,3 +334,16 @@ def _refuse_unsupported(module: object) -> None:
         )
     if is_fully_sharded(module):
         raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
+
+
+def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
+    """Warns that a DDP option is accepted for compatibility but changes nothing.
+
+    Args:
+        option: the option's name.
+        value: the value given.
+        why: why it changes nothing.
+        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
+            caller of the function that calls this one.
+    """
+    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)

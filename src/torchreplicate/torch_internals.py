@@ -24,7 +24,7 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     gradient hook). Called from a nested backward (reentrant activation
     checkpointing), the callback runs when that nested pass ends, which is why
     the reducer queues it from a hook on the forward outputs, in the outermost
-    pass (see [Note: end of backward] in step_end.py).
+    pass (see [Note: end of backward] in reducer/step.py).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
@@ -56,6 +56,15 @@ def num_post_accumulate_grad_hooks(param: nn.Parameter) -> int:
     """
     hooks = param._post_accumulate_grad_hooks
     return 0 if hooks is None else len(hooks)
+
+
+def in_backward_optimizers(param: nn.Parameter) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers torch's ``_apply_optimizer_in_backward`` attached to ``param`` (none: empty).
+
+    torch keeps them in ``param._in_backward_optimizers`` (torch >= 2.0), where
+    DDP reads them too; the reducer steps them once the average is in ``.grad``.
+    """
+    return tuple(getattr(param, "_in_backward_optimizers", ()))
 
 
 def num_in_backward_optimizer_params() -> int:
@@ -121,6 +130,16 @@ def disable_join(joinable: object) -> None:
     from torch.distributed.algorithms.join import _JoinConfig
 
     joinable._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[attr-defined]
+
+
+def join_enabled(joinable: object) -> bool:
+    """Whether torch's ``Join`` context is entered and enabled for ``joinable`` (its ``_join_config``).
+
+    ``Join`` sets the private ``_join_config`` on each joinable (torch >= 1.10)
+    and nothing else tells a joinable it is inside one.
+    """
+    config = getattr(joinable, "_join_config", None)
+    return config is not None and bool(config.enable)
 
 
 def compiled_autograd_enabled() -> bool:

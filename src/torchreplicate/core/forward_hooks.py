@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
-from torchreplicate.reducer.profiling import labelled
+from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
 from torchreplicate.torch_internals import compiled_autograd_enabled
 
@@ -56,7 +56,7 @@ class ForwardHooks:
         """Runs before every forward of the root; returns cast inputs, or None to keep them."""
         state = self.state
         sync_before_forward(state)
-        if state.mixed is None or state.adopted:
+        if state.mixed is None or state.nested:
             return None
         cast = state.mixed.cast_inputs_of((args, kwargs))
         return None if cast is None else (cast[0], cast[1])
@@ -66,7 +66,7 @@ class ForwardHooks:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Runs after every forward of the root; returns the (cast) output."""
         state = self.state
-        if state.adopted:
+        if state.nested:
             return output  # nested replicate: the enclosing module does this work
         if state.mixed is not None:
             output = state.mixed.cast_output(output)
@@ -83,9 +83,9 @@ def sync_before_forward(state: ReplicateState) -> None:
     """What every rank does together before a forward with gradients enabled.
 
     The join round, the watchdog's mark, the re-plan check and the buffer
-    broadcast; nothing at all without gradients (or in an adopted module).
+    broadcast; nothing at all without gradients (or in a nested module).
     """
-    if not torch.is_grad_enabled() or state.adopted:
+    if not torch.is_grad_enabled() or state.nested:
         return  # no collective: one rank may evaluate alone ([Note: re-planning])
     if isinstance(state.reduction, HookReduction) and compiled_autograd_enabled():
         raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
@@ -93,9 +93,7 @@ def sync_before_forward(state: ReplicateState) -> None:
     if state.joining:  # inside a Join context ([Note: join] in join.py)
         buffer_source = training_join_round(state).source
     state.num_forwards += 1
-    if state.watch is not None:
-        step = 0 if state.reducer is None else state.reducer.num_steps
-        state.watch.at("forward", step)
+    state.probe.at("forward", 0 if state.reducer is None else state.reducer.num_steps)
     plan = state.plan
     if state.stamp() != state.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
         state.replan_if_changed()
@@ -117,7 +115,7 @@ def broadcast_buffers_from(state: ReplicateState, source: int) -> None:
             state.group,
             src_rank=source,
             in_place=False,
-            timeout=None if watch is None else watch.timeout,
+            timeout=state.probe.timeout,
         )
     except RuntimeError as error:
         if watch is None or not is_transport_error(error):
@@ -148,7 +146,7 @@ def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) ->
 
 class _OutputGradHook:
     # Queues the reducer's end-of-backward work from the outermost backward
-    # pass ([Note: end of backward] in step_end.py).
+    # pass ([Note: end of backward] in reducer/step.py).
     __slots__ = ("reducer",)
 
     def __init__(self, reducer: Reducer) -> None:

@@ -38,12 +38,10 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import num_flags
 from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
-    from torchreplicate.reducer.reducer import Reducer
 
 
 class JoinRound(NamedTuple):
@@ -68,7 +66,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
     if training:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
-    all_reduce(vector, group, None if state.watch is None else state.watch.timeout)
+    all_reduce(vector, group, state.probe.timeout)
     present = [r for r, v in enumerate(vector[:world_size].tolist()) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
 
@@ -112,7 +110,7 @@ class ReplicateJoinHook(JoinHook):
         verdict = join_round(state, training=False)
         state.broadcast_buffers_from(verdict.source)
         if verdict.sync and state.reducer is not None:
-            shadow_backward(state.reducer)
+            state.reducer.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters and buffers of the last rank to join."""
@@ -132,15 +130,3 @@ def end_join(state: ReplicateState) -> None:
     disable_join(state.module)
     if state.reducer is not None:
         state.reducer.reduction.set_divide_factor(None)
-
-
-@torch.no_grad()
-def shadow_backward(reducer: Reducer) -> None:
-    """A joined rank's part of one synchronised backward: the same collectives, zeros."""
-    sums = reducer.reduction.shadow(reducer.buckets, num_flags(len(reducer.slots)))
-    if sums[len(reducer.slots)].item() > 0:  # a late round somewhere
-        for bucket in reducer.buckets:
-            all_reduce(torch.zeros_like(bucket.grads), reducer.group, reducer.timeout)
-    reducer.sparse.shadow(reducer.group, reducer.timeout)
-    reducer.num_steps += 1  # the ranks still training count this step: the layout learning follows it
-    reducer.learn_layout(())

@@ -57,7 +57,7 @@ def refuse_inside_fully_shard(module: nn.Module) -> None:
             )
 
 
-def adopt_inner(outer: ReplicateState) -> list[nn.Module]:
+def nest_inner(outer: ReplicateState) -> list[nn.Module]:
     """Hands every replicated module inside ``outer``'s module to ``outer``; returns them.
 
     Raises:
@@ -68,7 +68,7 @@ def adopt_inner(outer: ReplicateState) -> list[nn.Module]:
     for submodule in inner:
         state = find_state(submodule)
         assert state is not None
-        state.adopt_into(outer)
+        state.nest_into(outer)
     return inner
 
 

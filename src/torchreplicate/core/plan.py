@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from torchreplicate.reducer.dtensors import local
+from torchreplicate.torch_internals import in_backward_optimizers
 
 BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 
@@ -116,7 +117,7 @@ def _signature(param: nn.Parameter) -> tuple[object, ...]:
         param.dtype,
         param.device,
         tuple(param.shape),
-        len(getattr(param, "_in_backward_optimizers", ())),
+        len(in_backward_optimizers(param)),
     )
 
 

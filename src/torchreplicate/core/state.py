@@ -9,7 +9,7 @@ reduction in reducer.py.
 
 from __future__ import annotations
 
-import warnings
+import enum
 import weakref
 from typing import Any, Optional
 
@@ -31,15 +31,29 @@ from torchreplicate.reducer.collectives import (
 )
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import check_mesh_apart, local
-from torchreplicate.reducer.events import StepEvents
+from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.grad_layout import grad_layout
+from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.reducer.switches import Learned, SyncSwitch, TrainingClock
+from torchreplicate.reducer.switches import Learned, SyncSwitch
 from torchreplicate.reducer.watchdog import StallWatch
-from torchreplicate.torch_internals import num_composable_states, num_in_backward_optimizer_params
+from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
 
 MiB = 1024 * 1024
+
+
+class Mode(enum.Enum):
+    """Who reduces a replicated module's parameters (``ReplicateState.mode``).
+
+    Set where it changes, read by the forward hooks. Two other conditions
+    are torch's to decide and are read from torch, each in one place: an
+    enabled ``Join`` (``ReplicateState.joining``) and compiled autograd
+    (the forward pre-hook; the gradient hook sees it being traced).
+    """
+
+    OWN = "own"  # the module itself: its reducer (none at world size 1 without a comm hook)
+    NESTED = "nested"  # an enclosing replicated module, in its collective sequence ([Note: nested replicate])
 
 
 class ReplicateState:
@@ -74,12 +88,13 @@ class ReplicateState:
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
-        self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
-        self.events: Optional[StepEvents] = None  # an observer of every step's timeline (timeline.py)
+        # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
+        self.probe = Probe()
         self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
-        # nested replicate(): the state of an enclosing replicated module, which
-        # reduces this module's parameters in its own collective sequence
-        self._adopted_by: Optional[weakref.ref[ReplicateState]] = None
+        # what the forward hooks do (Mode); NESTED once an enclosing replicated
+        # module reduces this one's parameters in its own collective sequence
+        self.mode = Mode.OWN
+        self._outer: Optional[weakref.ref[ReplicateState]] = None  # that enclosing module's state
         # inside torch's Join with divide_by_initial_world_size=False: the sum is
         # divided by the ranks still training ([Note: join] in join.py)
         self.join_divides_by_training = False
@@ -159,14 +174,22 @@ class ReplicateState:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
 
+    @property
+    def watch(self) -> Optional[StallWatch]:
+        """The stall watchdog (watchdog.py), or None (world size 1, ``stall_timeout=None``, nested)."""
+        return self.probe.watch
+
+    @property
+    def events(self) -> Optional[StepEvents]:
+        """The observer of every step's timeline (``set_events``), or None."""
+        return self.probe.events
+
     def set_events(self, events: Optional[StepEvents]) -> None:
-        """Attaches an observer of every step's timeline (events.py), or detaches it (None).
+        """Attaches an observer of every step's timeline (probe.py's ``StepEvents``), or detaches it (None).
 
         It stays attached across re-plans.
         """
-        self.events = events
-        if self.reducer is not None:
-            self.reducer.events = events
+        self.probe.events = events
 
     def remove_hooks(self) -> None:
         """Removes every hook ``replicate()`` installed (forward and gradient)."""
@@ -193,11 +216,11 @@ class ReplicateState:
         forward_hooks.broadcast_buffers_from(self, source)
 
     @property
-    def adopted(self) -> bool:
-        """Whether an enclosing replicated module reduces this one's parameters (nested replicate)."""
-        return self._adopted_by is not None and self._adopted_by() is not None
+    def nested(self) -> bool:
+        """Whether an enclosing replicated module reduces this module's parameters (``Mode.NESTED``)."""
+        return self.mode is Mode.NESTED
 
-    def adopt_into(self, outer: ReplicateState) -> None:
+    def nest_into(self, outer: ReplicateState) -> None:
         """Hands this module's reduction to ``outer``, an enclosing replicated module.
 
         It gives up its reducer, its forward work and its watchdog; see
@@ -206,7 +229,7 @@ class ReplicateState:
         Raises:
             ValueError: an option that decides the reduction differs, or the process group.
         """
-        if self._adopted_by is not None and self._adopted_by() is outer:
+        if self._outer is not None and self._outer() is outer:
             return
         nested.check_same_reduction(self, outer)
         if self._group is not None and outer._group is not None and self.group is not outer.group:
@@ -214,15 +237,16 @@ class ReplicateState:
                 f"replicate(): nested replicate() calls use different process groups ({class_name(self.module)} "
                 f"and the enclosing {class_name(outer.module)}); pass the same group or mesh to both"
             )
-        self._adopted_by = weakref.ref(outer)
+        self._outer = weakref.ref(outer)
+        self.mode = Mode.NESTED
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
         if self.mixed is not None:
             self.mixed.remove()
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
+        if self.probe.watch is not None:
+            self.probe.watch.stop()
+            self.probe.watch = None
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
@@ -233,8 +257,7 @@ class ReplicateState:
     @property
     def joining(self) -> bool:
         """Whether the module is inside an enabled ``Join`` context (torch sets its join config)."""
-        config = getattr(self.module, "_join_config", None)
-        return config is not None and bool(config.enable)
+        return join_enabled(self.module)
 
     def end_join(self) -> None:
         """Every rank joined: back to no join rounds and the usual divisor."""
@@ -263,7 +286,7 @@ class ReplicateState:
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        self._adopt(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
+        self._install_plan(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
@@ -280,34 +303,32 @@ class ReplicateState:
         nested.refuse_inside_fully_shard(module)
         skipped = list(self.config.ignored_modules)
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped, nested.adopt_inner(self))
+        return make_plan(module, skipped, nested.nest_inner(self))
 
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
         plan = self._make_plan()
         if not plan.same_as(self.plan):
-            self._adopt_agreed(plan)
-            if self.events is not None:
-                self.events.replan(0 if self.reducer is None else self.reducer.num_steps)
+            self._install_agreed(plan)
+            self.probe.replanned(0 if self.reducer is None else self.reducer.num_steps)
 
-    def _adopt_agreed(self, plan: Plan) -> None:
+    def _install_agreed(self, plan: Plan) -> None:
         # A re-plan runs collectives that every rank must run at the same
         # forward. If one rank's change is its own (a layer frozen on one
         # rank only), the others are elsewhere: the watchdog's note says what
         # changed here, so every rank's error names the parameters.
         change = describe_change(self.plan, plan)
         step = 0 if self.reducer is None else self.reducer.num_steps
-        watch = self.watch
-        if watch is not None:
-            watch.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
+        self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
+        watch = self.probe.watch
         try:
-            self._adopt(plan, new_tensors(self.plan, plan))
+            self._install_plan(plan, new_tensors(self.plan, plan))
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):
                 raise
             raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
 
-    def _adopt(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
+    def _install_plan(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
         # Checks the plan across ranks, broadcasts what is new to it from rank 0
         # and builds its reducer, handing over what the previous one learned.
         # At replicate(), `token` (broadcast too) names the watchdog's keys.
@@ -329,8 +350,10 @@ class ReplicateState:
             broadcast_coalesced(to_broadcast, self.group)
         stall_timeout_s = self.config.stall_timeout_s
         if token is not None and self.world_size > 1 and stall_timeout_s is not None:
-            self.watch = StallWatch(self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}")
-            weakref.finalize(self, self.watch.stop)
+            watch = self.probe.watch = StallWatch(
+                self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}"
+            )
+            weakref.finalize(self, watch.stop)
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self.build_reducer(learned)
 
@@ -353,12 +376,11 @@ class ReplicateState:
             reduction=self.reduction,
             sync=self.sync,
             clock=self.clock,
-            watch=self.watch,
+            probe=self.probe,
             sparse=self.plan.sparse,
             groups=self.plan.param_groups,
             learned=learned,
         )
-        reducer.events = self.events
         return reducer
 
     def collective_device(self) -> torch.device:
@@ -368,16 +390,3 @@ class ReplicateState:
         for tensor in list(self.plan.candidates) + self.plan.buffer_values():
             return local(tensor).device
         return torch.device("cpu")
-
-
-def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
-    """Warns that a DDP option is accepted for compatibility but changes nothing.
-
-    Args:
-        option: the option's name.
-        value: the value given.
-        why: why it changes nothing.
-        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
-            caller of the function that calls this one.
-    """
-    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)

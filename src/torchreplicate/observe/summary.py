@@ -275,8 +275,10 @@ class SummaryLogger:
         # Inside the reporting step's end of backward, on every rank: one all-gather.
         model = self._model
         assert model is not None, "subscribed while running"
-        reducer = get_state(model).reducer
+        state = get_state(model)
+        reducer = state.reducer
         assert reducer is not None, "a step ended, so a reducer ran it"
+        view = reducer.view
         mine = torch.tensor(
             [
                 self._num_steps,
@@ -287,9 +289,9 @@ class SummaryLogger:
                 self._first_step,
             ],
             dtype=torch.float64,
-            device=reducer.buckets[0].buffer.device,
+            device=view.device,
         )
-        rows = _gather_rows(mine, reducer.group, reducer.timeout)
+        rows = _gather_rows(mine, state.group, view.timeout)
         summary = summarize([row.tolist() for row in rows], self._first_step, record.step)
         self.last = summary
         if self.log_rank is None or self.log_rank == self._rank:

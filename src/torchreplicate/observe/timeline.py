@@ -1,22 +1,17 @@
 """The timeline of every synchronised backward, as plain records: what ``trace()`` and ``log_summary()`` read.
 
-``StepRecorder`` is the observer of events.py: the reducer calls it at the
-points of a step, it notes a ``time.perf_counter_ns()`` at each, and at the
-end of the step hands one ``StepRecord`` to its subscribers (the tracer of
-tracing.py, the summary of summary.py). One recorder per replicated module,
-kept where the reducer looks for it (``replicate.state(model).events``), so
-a trace and a summary on the same model share it; it is detached when its
-last subscriber leaves, so a model nobody observes pays one attribute check
-per point ([Note: observer cost]).
-
-[Note: observer cost]
-Every event is one call, one clock read and a store into a dict or a list;
-``grad``, called once per accumulation into a ``.grad`` (once per parameter
-per step), reads the clock only for the first gradient of each bucket. Ready
-is not an event of its own: a bucket launched from a gradient hook was ready
-then; one launched from the end of backward was ready when the end of
-backward started. Measured in benchmarks/bench_observe.py (README: "See
-inside a step").
+``StepRecorder`` is a ``StepEvents`` observer (reducer/probe.py): the
+module's probe calls it at the points of a step, it notes a
+``time.perf_counter_ns()`` at each, and at the end of the step hands one
+``StepRecord`` to its subscribers (the tracer of tracing.py, the summary of
+summary.py). One recorder per replicated module
+(``replicate.state(model).events``), so a trace and a summary on the same
+model share it; it is detached when its last subscriber leaves, so a model
+nobody observes pays one attribute check per point ([Note: observer cost] in
+probe.py). ``grad``, called once per accumulation into a ``.grad``, reads
+the clock only for the first gradient of each bucket. Ready is not an event
+of its own: a bucket launched from a gradient hook was ready then; one
+launched from the end of backward was ready when the end of backward started.
 """
 
 from __future__ import annotations
@@ -109,7 +104,7 @@ class StepRecord:
 
 
 class StepRecorder:
-    """The step observer (events.py) that turns the reducer's events into ``StepRecord``s.
+    """The step observer (probe.py's ``StepEvents``) that turns the reducer's events into ``StepRecord``s.
 
     Attach it with ``subscribe(model, fn)``, which shares one recorder per
     module; ``fn(record)`` runs at the end of every synchronised backward, on
@@ -120,7 +115,7 @@ class StepRecorder:
     def __init__(self) -> None:
         # - Who hears about finished steps
         self.subscribers: list[Subscriber] = []
-        # - The step in progress ([Note: observer cost]): reset at `backward`
+        # - The step in progress ([Note: observer cost] in probe.py): reset at `backward`
         self._step = -1
         self._backward_ns = 0
         self._finalize_ns = 0
@@ -131,7 +126,7 @@ class StepRecorder:
         self._late: list[int] = []  # late round starts and ends, alternating
         self._replan_ns: Optional[int] = None  # a re-plan before this step
 
-    # -- events.StepEvents ---------------------------------------------------
+    # -- probe.StepEvents ----------------------------------------------------
 
     def backward(self, step: int) -> None:
         """The synchronised backward of ``step`` started."""

@@ -21,35 +21,12 @@ at trace start ([Note: trace clocks] in tracing.py).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence
 
 from torchreplicate.observe.timeline import BucketTimes, StepRecord
+from torchreplicate.reducer.bucket import BucketInfo
 
 STEP_ROW = 0  # tid of a rank's step row; bucket k is row 1 + k
-
-
-@dataclass(frozen=True)
-class BucketInfo:
-    """One bucket of the layout a step ran with.
-
-    Attributes:
-        index: the bucket's index.
-        names: fully qualified names of its parameters, in buffer order.
-        numel: gradient elements.
-        nbytes: bytes of its gradients.
-    """
-
-    index: int
-    names: tuple[str, ...]
-    numel: int
-    nbytes: int
-
-    def describe(self, max_names: int = 3) -> str:
-        """The first parameter names, and how many more."""
-        shown = ", ".join(self.names[:max_names])
-        more = len(self.names) - max_names
-        return shown + (f" and {more} more" if more > 0 else "")
 
 
 class ForwardSpan(NamedTuple):

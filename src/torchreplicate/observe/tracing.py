@@ -24,7 +24,6 @@ import logging
 import os
 import time
 import warnings
-import weakref
 from types import TracebackType
 from typing import Any, Optional, Union
 
@@ -42,6 +41,7 @@ from torchreplicate.observe.trace_format import (
     plot_trace,
     rank_events,
 )
+from torchreplicate.reducer.bucket import ReducerView
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
@@ -126,7 +126,7 @@ class Tracer:
             maxlen=None if max_steps is None else 16 * max_steps
         )
         self._layouts: list[tuple[int, tuple[BucketInfo, ...]]] = []  # (first step, buckets)
-        self._layout_source: Optional[weakref.ref[Any]] = None  # the reducer the last layout came from
+        self._layout_source: Optional[ReducerView] = None  # the reducer's view the last layout came from
         self._num_dropped = 0  # steps pushed out of `records`
         self._dropped_until_ns = 0  # end of the newest dropped step: older forwards go too
         self._forward_start_ns: list[int] = []  # a stack: forwards may nest (a module called inside itself)
@@ -193,9 +193,9 @@ class Tracer:
         # the bucket layout it ran with when that changed (a re-plan).
         model = self._model
         reducer = None if model is None else get_state(model).reducer
-        if reducer is not None and (self._layout_source is None or self._layout_source() is not reducer):
-            self._layout_source = weakref.ref(reducer)
-            self._layouts.append((record.step, bucket_layout(reducer)))
+        if reducer is not None and reducer.view is not self._layout_source:  # a new reducer, or new buckets
+            self._layout_source = reducer.view
+            self._layouts.append((record.step, reducer.view.buckets))
         if self.records.maxlen is not None and len(self.records) == self.records.maxlen:
             self._num_dropped += 1
             self._dropped_until_ns = self.records[0].end_ns
@@ -292,16 +292,3 @@ def _plot_path(path: str, plot: Union[bool, str, os.PathLike[str]]) -> Optional[
     if plot is False:
         return None
     return os.path.splitext(path)[0] + ".png" if plot is True else os.fspath(plot)
-
-
-def bucket_layout(reducer: Any) -> tuple[BucketInfo, ...]:
-    """The buckets of a reducer (``replicate.state(model).reducer``), as plain data."""
-    return tuple(
-        BucketInfo(
-            index=bucket.index,
-            names=tuple(slot.name for slot in bucket.slots),
-            numel=bucket.numel,
-            nbytes=bucket.numel * bucket.grads.element_size(),
-        )
-        for bucket in reducer.buckets
-    )

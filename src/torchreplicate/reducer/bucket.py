@@ -1,24 +1,26 @@
-"""Flat gradient buckets, the parameter slots laid out in them, and per-step state.
+"""Flat gradient buckets, the parameter slots laid out in them, and the state of one step.
 
 A ``Bucket`` is one flat buffer that travels in one collective; each
 ``ParamSlot`` is one reduced parameter and the view of the bucket that holds
-its gradient. Both keep their facts grouped by lifetime: the layout (fixed
-for the reducer's life), what was learned across steps, and per-step state
-that ``reset_step`` restores. ``StepState`` holds the per-parameter facts of
-one synchronised backward; the reducer replaces it at the end of each.
+its gradient. They hold the layout (fixed until the buckets are rebuilt) and
+what was learned across steps. Everything that lives for one synchronised
+backward, per parameter and per bucket, is in ``StepState``: one object,
+which the reducer replaces at the end of each step (its one reset).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
+from torchreplicate.errors import refuse_foreign_hooks
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
-
-NEVER = 1 << 60  # firings a bucket waits for when it cannot become ready from hooks
+from torchreplicate.torch_internals import in_backward_optimizers
 
 
 class ParamSlot:
@@ -59,7 +61,7 @@ class ParamSlot:
         self.view: torch.Tensor  # this parameter's (local) gradient in the bucket, shaped like it
         self.grad_obj: torch.Tensor  # what .grad is set to: the view, or a DTensor around it
         # torch's optimizer-in-backward: stepped by the reducer once the average is in .grad
-        self.optimizers: tuple[torch.optim.Optimizer, ...] = tuple(getattr(param, "_in_backward_optimizers", ()))
+        self.optimizers = in_backward_optimizers(param)
         self.hook: Any = None  # the reducer's post-accumulate-grad hook handle, while registered
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
@@ -98,28 +100,14 @@ class Bucket:
             slot.view = self.grads[offset : offset + shard.numel()].view_as(shard)
             slot.grad_obj = grad_wrapper(slot.view, slot.param)
             offset += shard.numel()
-        # - Learned: firings to wait for before launching from a hook, derived
-        #   from the slots' expected counts; cached because the hook reads it
-        self.num_to_wait = self._count_waits()
-        # - Per step (reset_step)
-        self.pending = self.num_to_wait  # firings still awaited in this backward
-        self.num_absorbed = 0  # slots holding their contribution as the reduction wants it
-        self.in_flight: Any = None  # what the reduction launched, until it is waited for
+        names = [repr(slot.name) for slot in self.slots]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
 
     @property
     def numel(self) -> int:
         """Number of gradient elements (the flags' room excluded)."""
         return self.grads.numel()
-
-    def relearn(self) -> None:
-        """Recomputes ``num_to_wait`` after the slots' expected counts changed."""
-        self.num_to_wait = self._count_waits()
-
-    def reset_step(self) -> None:
-        """Forgets the per-step state at the end of a synchronised backward."""
-        self.pending = self.num_to_wait
-        self.num_absorbed = 0
-        self.in_flight = None
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (shaped like ``grads``) cut into one view per slot, each shaped like its gradient."""
@@ -130,16 +118,51 @@ class Bucket:
             offset += numel
         return views
 
-    def describe(self) -> str:
-        """The bucket's first parameter names, for error messages."""
-        names = [slot.name for slot in self.slots]
-        shown = ", ".join(repr(n) for n in names[:3])
-        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-    def _count_waits(self) -> int:
-        if any(slot.expected == 0 for slot in self.slots):
-            return NEVER  # a parameter not seen yet: only the end of backward launches it
-        return len(self.slots)
+@dataclass(frozen=True)
+class BucketInfo:
+    """One bucket of the layout a step ran with.
+
+    Attributes:
+        index: the bucket's index.
+        names: fully qualified names of its parameters, in buffer order.
+        numel: gradient elements.
+        nbytes: bytes of its gradients.
+    """
+
+    index: int
+    names: tuple[str, ...]
+    numel: int
+    nbytes: int
+
+    def describe(self, max_names: int = 3) -> str:
+        """The first parameter names, and how many more."""
+        shown = ", ".join(self.names[:max_names])
+        more = len(self.names) - max_names
+        return shown + (f" and {more} more" if more > 0 else "")
+
+
+class ReducerView(NamedTuple):
+    """What observers read of a reducer (``Reducer.view``): plain values, the layout as it is now.
+
+    Attributes:
+        device: where the buckets live (an observer's own collectives run there).
+        timeout: per-operation timeout of the reducer's collectives, or None.
+        buckets: the bucket layout, in launch order.
+    """
+
+    device: torch.device
+    timeout: Optional[timedelta]
+    buckets: tuple[BucketInfo, ...]
+
+    @classmethod
+    def of(cls, buckets: Sequence[Bucket], timeout: Optional[timedelta]) -> ReducerView:
+        """The view of ``buckets`` (a reducer's, in launch order)."""
+        infos = tuple(
+            BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
+            for b in buckets
+        )
+        return cls(buckets[0].buffer.device, timeout, infos)
 
 
 def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
@@ -154,27 +177,12 @@ def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) ->
     return int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:8], "little")
 
 
-class StepState:
-    """Per-parameter facts of one synchronised backward; replaced at its end.
+def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: dict[int, int]) -> list[ParamSlot]:
+    """One slot per parameter, with the firing counts an earlier reducer learned (by ``id``).
 
-    Args:
-        num_params: number of reduced parameters.
+    Raises:
+        ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
-
-    __slots__ = ("fired", "grew", "first_ready", "absorbed", "held", "num_launched", "late", "finalize_queued")
-
-    def __init__(self, num_params: int) -> None:
-        self.fired = [0] * num_params  # accumulations into .grad seen, per parameter
-        self.grew = False  # some parameter fired more often than learned so far
-        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
-        # per parameter: its slot holds its contribution as the reduction wants
-        # it (scaled on the way in), so nothing is left to do before launch
-        self.absorbed = [False] * num_params
-        self.held: dict[int, torch.Tensor] = {}  # copy layout: .grad set aside while its bucket is in flight
-        self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
-        self.late = False  # a gradient arrived after its bucket was launched
-        self.finalize_queued = False  # the end-of-backward work is queued
-
-    def is_launched(self, bucket: Bucket) -> bool:
-        """Whether ``bucket`` was launched in this backward (buckets launch in index order)."""
-        return bucket.index < self.num_launched
+    slots = [ParamSlot(i, p, n, expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))]
+    refuse_foreign_hooks(slots)
+    return slots

@@ -28,10 +28,28 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from torchreplicate.reducer.switches import TrainingClock
-
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
+
+
+class TrainingClock:
+    """A module's training clock: optimizer steps over its parameters ([Note: desync detection]).
+
+    Shared by the module's state (which sets the parameters to watch at each
+    plan) and its reducers (which send the clock with the flags); the
+    registry's optimizer hook advances it.
+    """
+
+    __slots__ = ("steps", "param_ids")
+
+    def __init__(self) -> None:
+        self.steps = 0  # optimizer steps that touched the module's replicated parameters
+        self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
+
+    def note_step(self, optimizer_param_ids: frozenset[int]) -> None:
+        """Counts an optimizer step if it holds one of the module's parameters."""
+        if not self.param_ids.isdisjoint(optimizer_param_ids):
+            self.steps += 1
 
 
 class FlagSums(NamedTuple):

@@ -9,14 +9,17 @@ same methods on either, at the same points of a step.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from torchreplicate.reducer.bucket import Bucket, ParamSlot, StepState
+from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.dtensors import grad_wrapper, local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.reduction import Reduction
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.step import StepState
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
 
@@ -24,8 +27,8 @@ LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived aft
 class GradLayout:
     """The interface; see the two implementations."""
 
-    def adopt(self, slots: Sequence[ParamSlot]) -> None:
-        """At set-up: takes over the ``.grad`` the parameters already have."""
+    def take_over_grads(self, slots: Sequence[ParamSlot]) -> None:
+        """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
 
     def keep_local(self, slot: ParamSlot) -> None:
         """After an accumulation with gradient sync off (``no_sync``)."""
@@ -56,15 +59,10 @@ class GradLayout:
         raise NotImplementedError
 
 
-def _mark_absorbed(slot: ParamSlot, step: StepState) -> None:
-    step.absorbed[slot.index] = True
-    slot.bucket.num_absorbed += 1
-
-
 class ViewLayout(GradLayout):
     """``.grad`` is its slot's view whenever no backward is running."""
 
-    def adopt(self, slots: Sequence[ParamSlot]) -> None:
+    def take_over_grads(self, slots: Sequence[ParamSlot]) -> None:
         for slot in slots:
             if slot.param.grad is not None:
                 slot.view.copy_(slot.plain(slot.param.grad))
@@ -93,7 +91,6 @@ class ViewLayout(GradLayout):
         else:
             reduction.absorb(grad, slot)  # type: ignore[arg-type]
             step.absorbed[index] = True
-            slot.bucket.num_absorbed += 1
         param.grad = None
 
     def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
@@ -141,7 +138,7 @@ class CopyLayout(GradLayout):
             grad = slot.param.grad
             assert grad is not None, "a bucket launches from a hook only once every slot has a gradient"
             reduction.absorb(slot.plain(grad), slot)  # the copy into the slot is the scaling pass
-            _mark_absorbed(slot, step)
+            step.absorbed[slot.index] = True
             step.held[slot.index] = grad
             slot.param.grad = None
 
@@ -149,10 +146,10 @@ class CopyLayout(GradLayout):
         grad = slot.param.grad
         if grad is None:
             slot.view.zero_()
-            _mark_absorbed(slot, step)
+            step.absorbed[slot.index] = True
             return False
         reduction.absorb(slot.plain(grad), slot)
-        _mark_absorbed(slot, step)
+        step.absorbed[slot.index] = True
         return True
 
     def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:

@@ -1,11 +1,14 @@
-"""The gradient reducer: readiness bookkeeping, launch order, end of backward.
+"""The gradient reducer: the owner of every synchronised step.
 
 One ``Reducer`` per replicated module (rebuilt on a re-plan). It owns the
-buckets (bucket.py), a post-accumulate-grad hook per parameter and the
-end-of-backward callback that completes the step. How a slot is filled and a
-bucket reduced is the ``Reduction``'s job (reduction.py); where ``.grad``
-lives is the ``GradLayout``'s (grad_layout.py); what happens once backward
-is over, step_end.py's.
+buckets (bucket.py), the step's state (``StepState``, replaced at the end of
+each step), a post-accumulate-grad hook per parameter, the step counter, and
+what it learns between steps (firing counts, launch order, bucket cap:
+tuning.py). How a slot is filled and a bucket reduced is the ``Reduction``'s
+job (reduction.py); where ``.grad`` lives is the ``GradLayout``'s
+(grad_layout.py); the collectives at the end of backward are step.py's,
+which reads the reducer and changes only the step and ``.grad``. Every
+point of a step is reported to one ``Probe`` (probe.py).
 
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
@@ -19,7 +22,7 @@ rank holds a gradient for, and whether a gradient arrived after its bucket
 was launched. After the last bucket is reduced, every rank reads the same
 sums and takes the same decisions: a parameter with no gradient on any rank
 keeps ``grad=None``; any late gradient anywhere triggers one more agreed
-round (``_reduce_late``).
+round ([Note: the late round] in step.py).
 
 [Note: when is a parameter ready]
 A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
@@ -40,37 +43,39 @@ tensor, which the late round reduces.
 from __future__ import annotations
 
 import functools
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.profiler import record_function
 from torch.compiler import is_compiling
 
-from torchreplicate.errors import (
-    changed_since_plan,
-    foreign_hook_error,
-    raise_with_place,
-    refuse_foreign_hooks,
-    warn_create_graph,
-)
+from torchreplicate.errors import changed_since_plan, foreign_hook_error, raise_with_place, warn_create_graph
 from torchreplicate.reducer import tuning
-from torchreplicate.reducer.bucket import Bucket, ParamSlot, StepState, layout_digest
-from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
+from torchreplicate.reducer.bucket import (
+    Bucket,
+    ParamSlot,
+    ReducerView,
+    layout_digest,
+    make_slots,
+)
+from torchreplicate.reducer.collectives import WeakGroup, all_reduce, is_transport_error
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.events import StepEvents
-from torchreplicate.reducer.flags import StepFlags, num_flags
+from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags
 from torchreplicate.reducer.grad_layout import GradLayout
-from torchreplicate.reducer.profiling import PREFIX, labelled
+from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
 from torchreplicate.reducer.sparse import SparseGrads
-from torchreplicate.reducer.step_end import finish_step
-from torchreplicate.reducer.switches import Learned, SyncSwitch, TrainingClock
+from torchreplicate.reducer.step import (
+    StepPhase,
+    StepState,
+    end_backward,
+    step_in_backward_optimizers,
+    take_over_in_backward_optimizers,
+)
+from torchreplicate.reducer.switches import Learned, SyncSwitch
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
-from torchreplicate.reducer.watchdog import StallWatch
-from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback, remove_in_backward_optimizer_hooks
+from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
 
 
 class Reducer:
@@ -87,7 +92,7 @@ class Reducer:
         reduction: how buckets are reduced (reduction.py); bound here.
         sync: the module's gradient-sync switch.
         clock: the module's training clock (sent with the flags).
-        watch: the module's stall watchdog (watchdog.py), or None when off.
+        probe: the module's probe (probe.py): watchdog, observer, profiler labels.
         sparse: identities of the parameters with sparse gradients (sparse.py).
         groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
         learned: what the previous reducer of the module learned (a re-plan).
@@ -108,7 +113,7 @@ class Reducer:
         reduction: Reduction,
         sync: SyncSwitch,
         clock: TrainingClock,
-        watch: Optional[StallWatch] = None,
+        probe: Probe,
         sparse: frozenset[int] = frozenset(),
         groups: Optional[Sequence[int]] = None,
         learned: Optional[Learned] = None,
@@ -117,25 +122,25 @@ class Reducer:
         # - Configuration, fixed for the reducer's life
         self.layout = layout
         self.sync = sync
-        self.watch = watch
-        self.events: Optional[StepEvents] = None  # an observer of the step's timeline (timeline.py), off by default
-        self.slots = _make_slots(params, names, learned)
+        self.probe = probe
+        self.slots = make_slots(params, names, learned.expected)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.in_backward = self._take_over_in_backward_optimizers()
+        self.in_backward_optimizer_slots = take_over_in_backward_optimizers(self.slots)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
         self.flags = self._bind(reduction, clock, WeakGroup(group))  # the group is held weakly: collectives.py
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
-        # - Per step: replaced at the end of each synchronised backward
-        self.step = StepState(len(self.slots))
+        self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
+        # - The step in progress: replaced at the end of each synchronised backward
+        self.step = StepState(len(self.slots), self.buckets)
         self._register_hooks()
-        layout.adopt(self.slots)
+        layout.take_over_grads(self.slots)
 
     # -- derived facts -------------------------------------------------------
 
@@ -151,24 +156,30 @@ class Reducer:
         return weak_group
 
     @property
-    def params(self) -> list[nn.Parameter]:
-        """The reduced parameters, in registration order."""
-        return [slot.param for slot in self.slots]
-
-    @property
     def learned(self) -> Learned:
         """What this reducer learned, for its successor after a re-plan."""
         return Learned({id(slot.param): slot.expected for slot in self.slots}, self.num_steps)
 
-    # -- set-up ----------------------------------------------------------------
+    @property
+    def view(self) -> ReducerView:
+        """What observers read (trace(), log_summary()): the same object until the buckets change."""
+        if self._view is None:
+            self._view = ReducerView.of(self.buckets, self.probe.timeout)
+        return self._view
 
-    def _take_over_in_backward_optimizers(self) -> list[ParamSlot]:
-        # torch's optimizer-in-backward: its own hooks would step on the local
-        # gradient, so they go, and the reducer steps after the average.
-        slots = [slot for slot in self.slots if slot.optimizers]
-        for slot in slots:
-            remove_in_backward_optimizer_hooks(slot.param)
-        return slots
+    def where(self, bucket: Bucket) -> str:
+        """Rank, step and parameters, for errors a user must trace to a layer."""
+        rank = dist.get_rank(self.group)
+        return f"replicate(): rank {rank}, step {self.num_steps}, bucket {bucket.index} ({bucket.description})"
+
+    def wire_bytes(self, late: bool = False) -> int:
+        """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
+        wire = self.reduction.wire_bytes(self.buckets)
+        if late:
+            wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
+        return wire
+
+    # -- set-up ----------------------------------------------------------------
 
     def _register_hooks(self) -> None:
         sparse = {id(slot.param) for slot in self.sparse.slots}
@@ -191,13 +202,8 @@ class Reducer:
         self.reduction = reduction
         self.flags = self._bind(reduction, self.flags.clock, weak_group)
 
-    @property
-    def timeout(self) -> Optional[timedelta]:
-        """Per-operation timeout of the reducer's collectives (the watchdog's), or None."""
-        return None if self.watch is None else self.watch.timeout
-
     def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.timeout)
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.timeout)
         return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
 
     def remove_hooks(self) -> None:
@@ -210,14 +216,11 @@ class Reducer:
     # -- backward: the hot path --------------------------------------------
 
     def queue_finalize(self) -> None:
-        """Queues the end-of-backward work, once per synchronised backward."""
+        """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         step = self.step
-        if not step.finalize_queued and self.sync.on:
-            step.finalize_queued = True
-            if self.watch is not None:
-                self.watch.at("backward", self.num_steps)
-            if self.events is not None:
-                self.events.backward(self.num_steps)
+        if step.phase is StepPhase.IDLE and self.sync.on:
+            step.phase = StepPhase.BACKWARD
+            self.probe.backward(self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
@@ -251,23 +254,25 @@ class Reducer:
         if is_compiling():
             self._traced_reduce(param)  # traced by compiled autograd: [Note: compiled autograd] in reduction.py
             return
-        with record_function(PREFIX + "hook"):  # a profiler records: label the hook
+        bucket = getattr(slot, "bucket", None)  # a sparse slot has none
+        with self.probe.span("hook", None if bucket is None else bucket.index):
             self._accumulated(slot, param)
 
     def _take(self, slot: ParamSlot) -> None:
         step = self.step
-        if not step.finalize_queued:
+        if step.phase is StepPhase.IDLE:
             self.queue_finalize()
         fired = step.fired[slot.index] + 1
         step.fired[slot.index] = fired
         if fired > slot.expected:
             step.grew = True  # a count to learn at the end of the step
-            if fired == 1 and self.layout_policy.pending:
+            if fired == 1 and not self.layout_policy.learned:
                 step.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
-        bucket = slot.bucket
-        if self.events is not None:
-            self.events.grad(bucket.index)
-        if bucket.index < step.num_launched:
+        index = slot.bucket.index
+        events = self.probe.events
+        if events is not None:
+            events.grad(index)
+        if index < step.num_launched:
             step.late = True  # the fresh .grad is reduced by the late round
             return
         try:
@@ -280,8 +285,9 @@ class Reducer:
                 raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
-            bucket.pending -= 1
-            if bucket.pending == 0:
+            pending = step.pending
+            pending[index] -= 1
+            if pending[index] == 0:
                 self._launch_ready(step)
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
@@ -295,70 +301,88 @@ class Reducer:
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
-        if self.sync.on and not self.step.finalize_queued:
+        if self.sync.on and self.step.phase is StepPhase.IDLE:
             self.queue_finalize()
 
     def _launch_ready(self, step: StepState) -> None:
         # Launch, in index order, every ready bucket but the last ([Note: one
         # collective sequence]).
         last = len(self.buckets) - 1
-        while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
+        pending = step.pending
+        while step.num_launched < last and pending[step.num_launched] == 0:
             bucket = self.buckets[step.num_launched]
             self.layout.detach(bucket, step, self.reduction)
             self.launch(bucket, step)
-            if self.events is not None:
-                self.events.launch(bucket.index, True)
+            self.probe.launched(bucket.index, True)
 
-    @labelled("launch")
     def launch(self, bucket: Bucket, step: StepState) -> None:
         """Launches ``bucket``, the next in index order ([Note: one collective sequence])."""
         assert bucket.index == step.num_launched, "buckets launch in index order"
-        step.num_launched += 1
-        self.reduction.finish_absorbing(bucket, step.absorbed)
-        try:
-            self.reduction.launch(bucket)
-        except (TypeError, ValueError) as error:
-            raise_with_place(error, self.where(bucket))
-
-    def where(self, bucket: Bucket) -> str:
-        """Rank, step and parameters, for errors a user must trace to a layer."""
-        rank = dist.get_rank(self.group)
-        return f"replicate(): rank {rank}, step {self.num_steps}, bucket {bucket.index} ({bucket.describe()})"
+        with self.probe.span("launch", bucket.index):
+            step.num_launched += 1
+            self.reduction.finish_absorbing(bucket, step)
+            try:
+                self.reduction.launch(bucket, step)
+            except (TypeError, ValueError) as error:
+                raise_with_place(error, self.where(bucket))
 
     # -- end of backward ---------------------------------------------------
 
     @labelled("finalize")
     @torch.no_grad()
     def _finalize(self) -> None:
+        # The autograd engine's end-of-backward callback ([Note: end of backward] in step.py).
         step = self.step
+        step.phase = StepPhase.ENDING
         try:
-            finish_step(self, step)
+            late = end_backward(self, step)
+            self._learn(step)
+            self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=late))
+            step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         except RuntimeError as error:
-            watch = self.watch
+            watch = self.probe.watch
             if watch is None or not is_transport_error(error):
                 raise
-            place = f"{watch.phase} of step {self.num_steps}"
-            raise watch.diagnose(place, error) from error
+            raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
         finally:
+            self.step = StepState(len(self.slots), self.buckets)
+
+    @torch.no_grad()
+    def shadow_step(self) -> None:
+        """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
+        sums = self.reduction.shadow(self.buckets, num_flags(len(self.slots)))
+        if sums[len(self.slots)].item() > 0:  # a late round somewhere
             for bucket in self.buckets:
-                bucket.reset_step()
-            self.step = StepState(len(self.slots))
+                all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.timeout)
+        self.sparse.shadow(self.group, self.probe.timeout)
+        self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
+        self.learn_layout(())
+        self.step = StepState(len(self.slots), self.buckets)
+
+    def _learn(self, step: StepState) -> None:
+        # After a synchronised step: the firing counts ([Note: when is a
+        # parameter ready], a running maximum), the step number, the layout.
+        if step.grew:
+            for slot, fired in zip(self.slots, step.fired, strict=True):
+                slot.expected = max(slot.expected, fired)  # never a sparse slot's: its hook counts nothing
+        self.num_steps += 1
+        self.learn_layout(step.first_ready)
 
     def learn_layout(self, first_ready: Sequence[int]) -> None:
         """After a synchronised step: the first one learns launch order and cap, every
         ``RETUNE_EVERY``-th measures the link again; the buckets follow ([Note: tuning]).
 
         Called on every rank at the same point: the end of a synchronised
-        backward, or its shadow on a rank that joined (join.py).
+        backward, or its shadow on a rank that joined.
 
         Args:
             first_ready: slot indices in the order they first got a gradient here.
         """
         policy, like = self.layout_policy, self.buckets[-1].buffer
-        if policy.pending:
+        if not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like)
         else:
-            due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0
+            due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
         if rebuild:
             self._rebuild_buckets()
@@ -366,21 +390,6 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.layout.adopt(self.layout_policy.dense)
+        self.layout.take_over_grads(self.layout_policy.dense)
         self.flags = self._bind(self.reduction, self.flags.clock, self._weak_group)
-
-    def wire_bytes(self, late: bool = False) -> int:
-        """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
-        wire = self.reduction.wire_bytes(self.buckets)
-        if late:
-            wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
-        return wire
-
-
-def _make_slots(params: Sequence[nn.Parameter], names: Sequence[str], learned: Learned) -> list[ParamSlot]:
-    # One slot per parameter, with what an earlier reducer of the module learned.
-    slots = [
-        ParamSlot(i, p, n, learned.expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))
-    ]
-    refuse_foreign_hooks(slots)
-    return slots
+        self._view = None

@@ -12,7 +12,7 @@ bucket in index order, and ``reduce_flags`` once every bucket is back.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,9 @@ from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.collectives import WeakGroup, all_reduce
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.step import StepState
 
 
 class Reduction:
@@ -52,14 +55,14 @@ class Reduction:
         """Adds a further accumulation to a slot already absorbed in this backward."""
         raise NotImplementedError
 
-    def finish_absorbing(self, bucket: Bucket, absorbed: Sequence[bool]) -> None:
+    def finish_absorbing(self, bucket: Bucket, step: StepState) -> None:
         """Just before launch: brings slots filled in place to the absorbed form."""
 
-    def launch(self, bucket: Bucket) -> None:
-        """Starts reducing ``bucket``; leaves a handle in ``bucket.in_flight``."""
+    def launch(self, bucket: Bucket, step: StepState) -> None:
+        """Starts reducing ``bucket``; leaves a handle in ``step.in_flight``."""
         raise NotImplementedError
 
-    def wait(self, bucket: Bucket) -> None:
+    def wait(self, bucket: Bucket, step: StepState) -> None:
         """Waits for ``bucket``; its ``grads`` then hold the reduced average."""
         raise NotImplementedError
 
@@ -201,8 +204,8 @@ class AllReduce(Reduction):
     def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         slot.view.add_(grad, alpha=1.0 / self.divide_factor)
 
-    def finish_absorbing(self, bucket: Bucket, absorbed: Sequence[bool]) -> None:
-        done = bucket.num_absorbed
+    def finish_absorbing(self, bucket: Bucket, step: StepState) -> None:
+        done = step.num_absorbed(bucket)
         if done == len(bucket.slots):
             return
         scale = self.scales[bucket.index]
@@ -210,19 +213,19 @@ class AllReduce(Reduction):
             bucket.grads.mul_(scale)
             return
         for slot in bucket.slots:
-            if not absorbed[slot.index]:
+            if not step.absorbed[slot.index]:
                 slot.view.mul_(scale)
 
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, bucket: Bucket, step: StepState) -> None:
         assert self.weak_group is not None, "bind() comes first"
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        bucket.in_flight = all_reduce(wire, self.weak_group.get(), self._timeout, async_op=True)
+        step.in_flight[bucket.index] = all_reduce(wire, self.weak_group.get(), self._timeout, async_op=True)
 
-    def wait(self, bucket: Bucket) -> None:
-        bucket.in_flight.wait()
-        bucket.in_flight = None
+    def wait(self, bucket: Bucket, step: StepState) -> None:
+        step.in_flight[bucket.index].wait()
+        step.in_flight[bucket.index] = None
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             bucket.grads.copy_(wire[: bucket.numel])
@@ -308,9 +311,9 @@ class HookReduction(Reduction):
     def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         slot.view.add_(grad)
 
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, bucket: Bucket, step: StepState) -> None:
         if bucket.index > 0:
-            self._buckets[bucket.index - 1].in_flight.future.wait()  # [Note: hooks run one bucket at a time]
+            step.in_flight[bucket.index - 1].future.wait()  # [Note: hooks run one bucket at a time]
         grad_bucket = GradBucket(
             bucket.index,
             bucket.index == len(self._buckets) - 1,
@@ -326,10 +329,10 @@ class HookReduction(Reduction):
                 f"comm hook: must return a torch.futures.Future, but for bucket {bucket.index} "
                 f"returned {type(future).__name__}"
             )
-        bucket.in_flight = _HookCall(future, grad_bucket)
+        step.in_flight[bucket.index] = _HookCall(future, grad_bucket)
 
-    def wait(self, bucket: Bucket) -> None:
-        call, bucket.in_flight = bucket.in_flight, None
+    def wait(self, bucket: Bucket, step: StepState) -> None:
+        call, step.in_flight[bucket.index] = step.in_flight[bucket.index], None
         result = hook_result(call.future.wait(), call.grad_bucket)
         if result.data_ptr() != bucket.grads.data_ptr() or result.dtype != bucket.grads.dtype:
             bucket.grads.copy_(result.reshape(-1))

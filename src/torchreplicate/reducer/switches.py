@@ -2,7 +2,8 @@
 
 The state outlives its reducers (a re-plan builds a new one), so what must
 survive a re-plan or be set from outside lives here, stored once: the
-gradient-sync switch, the training clock, and what a reducer learned.
+gradient-sync switch and what a reducer learned (the training clock, also
+shared, is flags.py's).
 """
 
 from __future__ import annotations
@@ -21,26 +22,6 @@ class SyncSwitch:
 
     def __init__(self, on: bool = True) -> None:
         self.on = on
-
-
-class TrainingClock:
-    """A module's training clock: optimizer steps over its parameters ([Note: desync detection]).
-
-    Shared by the module's state (which sets the parameters to watch at each
-    plan) and its reducers (which send the clock with the flags); the
-    registry's optimizer hook advances it.
-    """
-
-    __slots__ = ("steps", "param_ids")
-
-    def __init__(self) -> None:
-        self.steps = 0  # optimizer steps that touched the module's replicated parameters
-        self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
-
-    def note_step(self, optimizer_param_ids: frozenset[int]) -> None:
-        """Counts an optimizer step if it holds one of the module's parameters."""
-        if not self.param_ids.isdisjoint(optimizer_param_ids):
-            self.steps += 1
 
 
 class Learned(NamedTuple):

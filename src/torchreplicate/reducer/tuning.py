@@ -143,7 +143,7 @@ class LayoutPolicy:
         self.groups = None if groups is None else [groups[slot.index] for slot in self.dense]  # per dense slot
         self.tune_cap = cap_bytes is None  # measure the link in the first step and choose the cap
         # - Learned in the first synchronised step ([Note: tuning])
-        self.pending = True  # nothing learned yet
+        self.learned = False  # the launch order (and cap) are learned in the first synchronised step
         self.cap_bytes = DEFAULT_CAP if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
@@ -191,12 +191,12 @@ def learn_layout(
     """Fills ``policy`` with the agreed launch order and, when tuned, the cap; whether to rebuild.
 
     Args:
-        policy: the reducer's layout policy (its ``pending`` learning is done after this).
+        policy: the reducer's layout policy (``learned`` after this).
         first_ready: slot indices in the order they first got a gradient on this rank.
         group: the process group (the agreement collectives run on it).
         like: a tensor on the device and of the dtype the buckets use.
     """
-    policy.pending = False
+    policy.learned = True
     if not policy.dense:
         return False
     position = {slot.index: i for i, slot in enumerate(policy.dense)}

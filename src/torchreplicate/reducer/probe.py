@@ -1,0 +1,177 @@
+"""The one instrumentation interface of a step: where the reducer is, said once.
+
+At each point of a synchronised backward the reducer (and, before it, the
+forward hooks) makes one ``Probe`` call. The probe feeds the three listeners
+from that one call:
+
+- the stall watchdog's note of where this rank is (watchdog.py: what a
+  failing rank's error says about the others), when a watchdog runs;
+- an observer of the step's timeline (``StepEvents``; timeline.py's recorder
+  is the one ``trace()`` and ``log_summary()`` attach), off by default;
+- the profiler: ``span(phase, bucket)`` runs a phase under
+  ``record_function("torchreplicate::<phase> (bucket k)")`` while a torch
+  profiler records, so a trace shows each phase and bucket by name.
+
+[Note: observer cost]
+With no watchdog, no observer and no profiler, a point costs one or two
+attribute checks. The gradient hook, once per parameter per step, checks the
+observer inline (``probe.events``) instead of calling ``grad``. Every
+event is one call, one clock read and a store (timeline.py); measured in
+benchmarks/bench_observe.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from datetime import timedelta
+from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
+
+from torch.autograd.profiler import record_function
+
+from torchreplicate.reducer.watchdog import StallWatch
+from torchreplicate.torch_internals import profiler_active
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+PREFIX = "torchreplicate::"
+PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round")
+_NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def label(phase: str, bucket: Optional[int] = None) -> str:
+    """The profiler label of ``phase`` (of bucket ``bucket``): ``torchreplicate::launch (bucket 3)``."""
+    assert phase in PHASES, phase
+    return PREFIX + phase if bucket is None else f"{PREFIX}{phase} (bucket {bucket})"
+
+
+def labelled(phase: str) -> Callable[[F], F]:
+    """Decorator: runs the function under ``record_function(label(phase))`` while a profiler records."""
+    name = label(phase)
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not profiler_active():
+                return fn(*args, **kwargs)
+            with record_function(name):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class StepEvents(Protocol):
+    """An observer of every synchronised backward; every argument is plain data.
+
+    Called in this order within one synchronised backward: ``backward`` once
+    (the first gradient hook or output hook of the backward), ``grad`` at
+    every accumulation into a slot of bucket ``b`` (so the first call per
+    bucket is its first gradient), ``launch`` when a bucket's collective
+    starts (``from_hook``: overlapped with backward, else from the end of
+    backward), ``finalize`` when the end-of-backward work starts,
+    ``waiting``/``done`` around each bucket's wait (the wait is exposed
+    communication), ``late_round`` around a late round, and ``step_end``
+    with the bytes the step put on the wire; ``replan`` between steps.
+    """
+
+    def backward(self, step: int) -> None:
+        """The synchronised backward of ``step`` started (its first hook ran)."""
+
+    def grad(self, bucket: int) -> None:
+        """A gradient was accumulated into a slot of ``bucket``."""
+
+    def launch(self, bucket: int, from_hook: bool) -> None:
+        """``bucket``'s collective was launched."""
+
+    def finalize(self, step: int) -> None:
+        """The end-of-backward work of ``step`` started."""
+
+    def waiting(self, bucket: int) -> None:
+        """The end of backward starts waiting for ``bucket``."""
+
+    def done(self, bucket: int) -> None:
+        """``bucket``'s reduced gradients are in place."""
+
+    def late_round(self, started: bool) -> None:
+        """A late round started (``started``) or ended."""
+
+    def step_end(self, step: int, wire_bytes: int) -> None:
+        """``step`` is complete; ``wire_bytes`` were handed to collectives."""
+
+    def replan(self, step: int) -> None:
+        """The module re-planned before ``step`` (state.py)."""
+
+
+class Probe:
+    """Where a replicated module's step is, for the watchdog, an observer and the profiler.
+
+    One per module, shared by its state and every reducer it builds, so an
+    observer attached once stays attached across re-plans.
+    """
+
+    __slots__ = ("watch", "events")
+
+    def __init__(self) -> None:
+        self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
+        self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
+
+    @property
+    def timeout(self) -> Optional[timedelta]:
+        """Per-operation timeout of the module's collectives: the watchdog's ``stall_timeout``, or None."""
+        return None if self.watch is None else self.watch.timeout
+
+    def at(self, where: str, step: int) -> None:
+        """This rank is at ``where`` (a forward, a re-plan, the flags' all-reduce, ...) of ``step``."""
+        if self.watch is not None:
+            self.watch.at(where, step)
+
+    def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
+        """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
+        return record_function(label(phase, bucket)) if profiler_active() else _NO_SPAN
+
+    def backward(self, step: int) -> None:
+        """The synchronised backward of ``step`` started."""
+        self.at("backward", step)
+        if self.events is not None:
+            self.events.backward(step)
+
+    def launched(self, bucket: int, from_hook: bool) -> None:
+        """``bucket``'s collective started, from a gradient hook or from the end of backward."""
+        if self.events is not None:
+            self.events.launch(bucket, from_hook)
+
+    def ending(self, step: int) -> None:
+        """The end-of-backward work of ``step`` started."""
+        if self.events is not None:
+            self.events.finalize(step)
+
+    def waiting(self, bucket: int, what: str, step: int) -> None:
+        """The end of backward waits for ``bucket`` (``what``: its parameters, for the watchdog)."""
+        self.at(f"bucket {bucket} ({what})", step)
+        if self.events is not None:
+            self.events.waiting(bucket)
+
+    def done(self, bucket: int) -> None:
+        """``bucket``'s averages are in place."""
+        if self.events is not None:
+            self.events.done(bucket)
+
+    def late_round(self, started: bool, step: int) -> None:
+        """A late round of ``step`` started or ended."""
+        if started:
+            self.at("late round", step)
+        if self.events is not None:
+            self.events.late_round(started)
+
+    def step_end(self, step: int, wire_bytes: int) -> None:
+        """``step`` is complete: the rank is back in user code, before ``step + 1``."""
+        self.at("user code after the backward", step + 1)
+        if self.events is not None:
+            self.events.step_end(step, wire_bytes)
+
+    def replanned(self, step: int) -> None:
+        """The module re-planned before ``step``."""
+        if self.events is not None:
+            self.events.replan(step)

@@ -1,0 +1,223 @@
+"""One synchronised backward: its state, and the collectives that complete it.
+
+``StepState`` holds everything one synchronised backward knows, per
+parameter and per bucket; the reducer replaces it at the end of each step
+(its one reset).
+
+``Reducer._finalize`` runs ``end_backward`` once the autograd engine is done
+(torch_internals.queue_end_of_backward_callback): it launches every bucket the
+hooks did not (the last with the flags), waits for all, reads the summed
+flags, points ``.grad`` at the averages, runs the late round if any rank had
+a late gradient and reduces sparse gradients. It reads the reducer and
+changes only the step and ``.grad``; the reducer then learns what the step
+taught (firing counts, launch order, bucket cap) and steps torch's
+optimizer-in-backward on the average (``step_in_backward_optimizers``).
+
+[Note: the late round]
+A parameter's hook may fire again after its bucket left (the graph changed
+between steps: [Note: when is a parameter ready] in reducer.py). That
+gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
+it back), and the flags told every rank that some rank has one. So every
+rank runs one more round (``reduce_late``), whatever it holds itself: the
+same collectives, in bucket order, zeros where a rank has nothing late.
+
+[Note: end of backward]
+The callback is queued from a hook on the forward outputs (the outermost
+backward pass reaches them first), or, when no forward hook ran (a method
+other than ``forward``), from the first parameter hook of the backward. If
+that first hook fires inside a nested pass (reentrant checkpointing around
+the last layers, called through such a method), the callback runs when the
+nested pass ends, and the rest of the backward queues another: the step is
+reduced in two rounds, each agreed, and the second adds the mean of what the
+outer pass accumulated. Still exact, as long as every rank's graph has the
+same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchreplicate.errors import desync_error, raise_with_place
+from torchreplicate.reducer.bucket import Bucket, ParamSlot, layout_digest
+from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.flags import FlagSums
+from torchreplicate.torch_internals import remove_in_backward_optimizer_hooks
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.grad_layout import LateGrads
+    from torchreplicate.reducer.reducer import Reducer
+
+
+class StepPhase(enum.Enum):
+    """Where a reducer is in one synchronised backward (``StepState.phase``)."""
+
+    IDLE = "idle"  # no synchronised backward has started since the last one ended
+    BACKWARD = "backward"  # started: its end is queued on the autograd engine; hooks fill buckets
+    ENDING = "ending"  # the end of backward runs: remaining launches, waits, flags, learning
+
+
+class StepState:
+    """Everything one synchronised backward knows, per parameter and per bucket; replaced at its end.
+
+    Args:
+        num_params: number of reduced parameters.
+        buckets: the buckets, in launch order.
+    """
+
+    __slots__ = (
+        "phase",
+        "fired",
+        "grew",
+        "first_ready",
+        "absorbed",
+        "held",
+        "pending",
+        "in_flight",
+        "num_launched",
+        "late",
+    )
+
+    def __init__(self, num_params: int, buckets: Sequence[Bucket]) -> None:
+        self.phase = StepPhase.IDLE
+        # - Per parameter
+        self.fired = [0] * num_params  # accumulations into .grad seen
+        self.grew = False  # some parameter fired more often than learned so far
+        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
+        # its slot holds its contribution as the reduction wants it (scaled on
+        # the way in), so nothing is left to do before launch
+        self.absorbed = [False] * num_params
+        self.held: dict[int, torch.Tensor] = {}  # copy layout: .grad set aside while its bucket is in flight
+        # - Per bucket. pending: slots still to reach their learned count before
+        #   a hook may launch the bucket ([Note: when is a parameter ready] in
+        #   reducer.py). A slot not seen yet has learned 0, so it never counts
+        #   down, and its bucket waits for the end of backward.
+        self.pending = [len(bucket.slots) for bucket in buckets]
+        self.in_flight: list[Any] = [None] * len(buckets)  # what the reduction launched, until waited for
+        self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
+        self.late = False  # a gradient arrived after its bucket was launched
+
+    def num_absorbed(self, bucket: Bucket) -> int:
+        """How many of ``bucket``'s slots hold their contribution in the absorbed form."""
+        absorbed = self.absorbed
+        return sum(1 for slot in bucket.slots if absorbed[slot.index])
+
+
+def end_backward(reducer: Reducer, step: StepState) -> bool:
+    """Completes the reduction of one synchronised backward (gradients off: the caller's ``no_grad``).
+
+    Args:
+        reducer: the module's reducer (read, never changed here).
+        step: the step's state.
+
+    Returns:
+        Whether a late round ran (some rank had a gradient after its bucket left).
+    """
+    num_early = step.num_launched  # launched from hooks, .grad detached
+    sums = _reduce_rest(reducer, step)
+    late_grads = reducer.layout.restore(reducer.buckets, step, sums, num_early)
+    probe = reducer.probe
+    timeout = probe.timeout
+    if sums.any_late:
+        with probe.span("late_round"):
+            probe.late_round(True, reducer.num_steps)
+            reduce_late(reducer.buckets, late_grads, reducer.group, reducer.reduction.divide_factor, timeout)
+            probe.late_round(False, reducer.num_steps)
+    if reducer.sparse.slots:
+        probe.at("sparse gradients", reducer.num_steps)
+        reducer.sparse.reduce(reducer.group, reducer.reduction.divide_factor, sums.unused_everywhere, timeout)
+    return sums.any_late
+
+
+def _reduce_rest(reducer: Reducer, step: StepState) -> FlagSums:
+    # Launches every bucket the hooks did not (the last with the flags),
+    # waits for all, and returns what the summed flags say.
+    probe, buckets = reducer.probe, reducer.buckets
+    probe.ending(reducer.num_steps)
+    unused_here = reducer.sparse.unused_here() if reducer.sparse.slots else []
+    for bucket in buckets[step.num_launched :]:
+        for slot in bucket.slots:
+            if not reducer.layout.fill(slot, step, reducer.reduction):
+                unused_here.append(slot.index)
+        if bucket is buckets[-1]:
+            reducer.flags.write(unused_here, step.late)
+        reducer.launch(bucket, step)
+        probe.launched(bucket.index, False)
+    for bucket in buckets:
+        probe.waiting(bucket.index, bucket.description, reducer.num_steps)
+        with probe.span("wait", bucket.index):
+            _wait(reducer, bucket, step)
+        probe.done(bucket.index)
+    probe.at("the flags' all-reduce", reducer.num_steps)
+    reducer.reduction.reduce_flags()
+    sums = reducer.flags.read(unused_here)
+    if not (sums.clocks_agree and sums.layouts_agree):
+        digest = layout_digest(buckets, reducer.sparse.slots)
+        raise desync_error(reducer.group, reducer.flags.clock.steps, digest, reducer.num_steps, sums.clocks_agree)
+    return sums
+
+
+def _wait(reducer: Reducer, bucket: Bucket, step: StepState) -> None:
+    try:
+        reducer.reduction.wait(bucket, step)
+    except (TypeError, ValueError) as error:
+        raise_with_place(error, reducer.where(bucket))
+
+
+def reduce_late(
+    buckets: Sequence[Bucket],
+    late_grads: LateGrads,
+    group: dist.ProcessGroup,
+    divide_factor: float,
+    timeout: Optional[timedelta] = None,
+) -> None:
+    """Adds the mean of every rank's late gradients to the reduced ``.grad``.
+
+    Args:
+        buckets: the reducer's buckets, in launch order.
+        late_grads: this rank's late gradients, by slot index.
+        group: the process group.
+        divide_factor: the divisor of the sum (the reduction's).
+        timeout: per-operation timeout of each all-reduce; None: the group's.
+    """
+    for bucket in buckets:
+        extra = torch.zeros_like(bucket.grads)
+        pieces = bucket.views_of(extra)
+        for slot, piece in zip(bucket.slots, pieces, strict=True):
+            if slot.index in late_grads:
+                piece.copy_(late_grads[slot.index])
+        all_reduce(extra, group, timeout)
+        extra.div_(divide_factor)
+        for slot, piece in zip(bucket.slots, pieces, strict=True):
+            # A late gradient anywhere means the parameter was used there, so
+            # every rank now holds a .grad for it; None means unused
+            # everywhere, and nothing late can have arrived for it.
+            grad = slot.param.grad
+            if grad is not None:
+                local(grad).add_(piece)
+
+
+def take_over_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
+    """The slots whose parameters torch's optimizer-in-backward steps, with its own hooks removed.
+
+    Those hooks would step on the local gradient; the reducer steps the
+    optimizers once the average is in ``.grad`` (``step_in_backward_optimizers``).
+    """
+    taken = [slot for slot in slots if slot.optimizers]
+    for slot in taken:
+        remove_in_backward_optimizer_hooks(slot.param)
+    return taken
+
+
+def step_in_backward_optimizers(slots: Sequence[ParamSlot]) -> None:
+    """Steps torch's optimizer-in-backward on the average, as its own hooks would have on the local gradient."""
+    for slot in slots:
+        if slot.param.grad is not None:
+            for optimizer in slot.optimizers:
+                optimizer.step()
+            slot.param.grad = None  # as torch's optimizer-in-backward leaves it
