@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import hostnet
-from hostnet import HostNet, NetSpec, wait_all
+from hostnet import HostNet, NetSpec, netns, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 # The CLI runs as `python -m hostnet`, which needs tools/ on the child's PYTHONPATH.
@@ -209,7 +209,7 @@ def test_stale_namespaces_of_dead_runs_are_removed():
     try:
         for name in (stale, mine):
             subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
-        assert stale in hostnet.remove_stale()
+        assert stale in netns.remove_stale()
         assert mine in live_namespaces() and stale not in live_namespaces()
     finally:
         for name in (stale, mine):

@@ -81,8 +81,6 @@ from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple, Union
 
 from hostnet import netns
-from hostnet.netns import KILL_GRACE_S as KILL_GRACE_S  # public here too, where it began; unused here
-from hostnet.netns import CommandError, remove_stale  # public here too, where they began
 
 SUBNET_PREFIX = "10.213.7"  # host i has SUBNET_PREFIX.<i+1>/24; private, and only ever inside our namespaces
 INTERFACE = "veth0"  # every host's one interface, so one command line fits every host
@@ -171,7 +169,7 @@ class HostNet:
     leaving it, also on an exception) kills every process inside them and
     deletes them; an ``atexit`` hook and a SIGTERM/SIGHUP handler (installed
     where the signal had its default action) close it too. Namespaces left by a
-    run killed outright are deleted by the next start (see ``remove_stale``).
+    run killed outright are deleted by the next start (see ``netns.remove_stale``).
     """
 
     def __init__(self, *, num_hosts: int = 2, rate: str | None = "1gbit", delay: str | None = None) -> None:
@@ -212,7 +210,7 @@ class HostNet:
         ok, reason = available()
         if not ok:
             raise RuntimeError(f"HostNet: cannot create hosts here: {reason}")
-        remove_stale()
+        netns.remove_stale()
         self.state = NetState.UP
         atexit.register(self.close)
         self._install_signal_handlers()
@@ -329,7 +327,7 @@ class HostNet:
             try:
                 netem = ["netem", "delay", self.spec.delay]
                 netns.check(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
-            except CommandError as error:
+            except netns.CommandError as error:
                 raise RuntimeError(
                     f"HostNet(delay={self.spec.delay!r}): this kernel has no netem qdisc ({error.detail}), so "
                     "the delay cannot be applied; load sch_netem (`modprobe sch_netem`) or use delay=None"
