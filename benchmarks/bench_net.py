@@ -8,7 +8,7 @@ Usage (as root: the hosts are network namespaces)::
     python benchmarks/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
 
 For each link rate, ``benchlib.hosts.launch_on_hosts`` makes two hosts
-(``torchreplicate.hostnet``: network namespaces joined by a veth pair whose
+(``hostnet``, in tools/: network namespaces joined by a veth pair whose
 ends are limited to the rate by tc's ``tbf``) and starts one gloo rank in
 each, with one intra-op thread. In one process group, on their own model
 copies (same init) with their own ``SGD(lr=1e-4)``, these engines are timed
@@ -69,8 +69,8 @@ from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, summarize
 from benchlib.timeline import bucket_wire_bytes, summarize_trace, trace_steps
+from hostnet import parse_rate
 from torchreplicate import replicate
-from torchreplicate.hostnet import parse_rate
 
 ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16", "allreduce")
 TRACED = ("ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16")  # the engines that communicate through a model
@@ -88,7 +88,7 @@ BF16_GOAL = 0.55  # ours_bf16 / DDP fp32 at 1gbit: half the bytes, so a little o
 NUM_FIRST_ROUNDS_SHOWN = 1  # progress: first round, then every few
 METHOD = {
     **ROUNDS_METHOD,
-    "hosts": "benchlib.hosts: 2 torchreplicate.hostnet hosts (network namespaces, one veth pair, tbf at the rate on each end), one gloo rank per host, GLOO_SOCKET_IFNAME=veth0",
+    "hosts": "benchlib.hosts: 2 hostnet hosts (network namespaces, one veth pair, tbf at the rate on each end), one gloo rank per host, GLOO_SOCKET_IFNAME=veth0",
     "wire_bytes": "S = replicate.state(m).reducer.wire_bytes() of the ours / ours_bf16 engine: bytes per rank one step hands to all-reduce (gradients plus num_params + 1 flags)",
     "comm_ms": "8 S / link rate: a ring all-reduce on 2 ranks sends S bytes per rank (S/2 reduce-scatter + S/2 all-gather); payload bytes against the nominal rate, so a strict lower bound (TCP/IP headers take ~4% of a 1500-byte MTU)",
     "floor_ms": "fwd + comm: the forward (and loss) of the local model, which no gradient communication can overlap, plus comm; per round: that round's fwd block + comm",

@@ -1,5 +1,5 @@
 """Multi-node launch on one machine: torchrun across hosts made of network
-namespaces (torchreplicate.hostnet), and the hosts themselves: teardown, rate,
+namespaces (hostnet, in tools/), and the hosts themselves: teardown, rate,
 reachability, the CLI.
 
 Every test that makes hosts skips, saying why, where that cannot be done
@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from torchreplicate import hostnet
-from torchreplicate.hostnet import HostNet, NetSpec, wait_all
+import hostnet
+from hostnet import HostNet, NetSpec, netns, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
+# The CLI runs as `python -m hostnet`, which needs tools/ on the child's PYTHONPATH.
+CLI_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tools"), os.environ.get("PYTHONPATH")])),
+}
 CAN_MAKE_HOSTS, WHY_NOT = hostnet.available()
 needs_hosts = pytest.mark.skipif(not CAN_MAKE_HOSTS, reason=f"cannot make hosts here: {WHY_NOT}")
 PORT = 5201  # every net is private to its test, so a fixed port cannot collide
@@ -204,7 +209,7 @@ def test_stale_namespaces_of_dead_runs_are_removed():
     try:
         for name in (stale, mine):
             subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
-        assert stale in hostnet.remove_stale()
+        assert stale in netns.remove_stale()
         assert mine in live_namespaces() and stale not in live_namespaces()
     finally:
         for name in (stale, mine):
@@ -215,8 +220,9 @@ def test_stale_namespaces_of_dead_runs_are_removed():
 @pytest.mark.timeout(60)
 def test_cli_runs_the_command_in_every_host():
     result = subprocess.run(
-        [sys.executable, "-m", "torchreplicate.hostnet", "--hosts", "2", "--rate", "100mbit", "--"]
+        [sys.executable, "-m", "hostnet", "--hosts", "2", "--rate", "100mbit", "--"]
         + ["sh", "-c", "echo $HOSTNET_ADDRESS $GLOO_SOCKET_IFNAME $PET_RDZV_CONF"],
+        env=CLI_ENV,
         capture_output=True,
         text=True,
         timeout=50,
@@ -225,7 +231,8 @@ def test_cli_runs_the_command_in_every_host():
     assert "[host0] 10.213.7.1 veth0 is_host=1" in result.stdout
     assert "[host1] 10.213.7.2 veth0 is_host=0" in result.stdout
     failing = subprocess.run(
-        [sys.executable, "-m", "torchreplicate.hostnet", "--", "sh", "-c", "exit $((3 + HOSTNET_INDEX))"],
+        [sys.executable, "-m", "hostnet", "--", "sh", "-c", "exit $((3 + HOSTNET_INDEX))"],
+        env=CLI_ENV,
         capture_output=True,
         text=True,
         timeout=50,

@@ -4,7 +4,8 @@
 - ``engines``: ``Engine``, one model copy wrapped one way with its own optimizer;
 - ``ranks``: starting rank processes (``launch_phase``) and what each does first;
 - ``hosts``: ranks on hosts of their own (``launch_on_hosts``: one process per
-  ``torchreplicate.hostnet`` host, joined by a rate-limited link);
+  ``hostnet`` host, joined by a rate-limited link; hostnet is the repository's
+  tools/hostnet, which this package puts on ``sys.path``);
 - ``rounds``: ``run_rounds``, the interleaved timed rounds;
 - ``stats``: summaries, paired per-round ratios, ``aggregate_timing``;
 - ``timeline``: when the phases of a step happen (``trace_steps``, our
@@ -23,9 +24,12 @@ import importlib.util
 import os
 import sys
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A checkout without ``pip install -e .``: fall back to its src/. Spawned
 # ranks inherit sys.path, so they import the same copy.
 if importlib.util.find_spec("torchreplicate") is None:
-    sys.path.insert(
-        0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
-    )
+    sys.path.insert(0, os.path.join(_REPO, "src"))
+# hostnet (benchlib.hosts, bench_net.py) is not installed: it lives in the
+# checkout's tools/. Ranks started on hosts import benchlib too, so find it.
+if importlib.util.find_spec("hostnet") is None:
+    sys.path.insert(0, os.path.join(_REPO, "tools"))

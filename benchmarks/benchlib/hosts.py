@@ -1,4 +1,4 @@
-"""Ranks on hosts of their own: one process per ``torchreplicate.hostnet`` host, joined by a rate-limited link.
+"""Ranks on hosts of their own: one process per ``hostnet`` host (tools/hostnet), joined by a rate-limited link.
 
 Parent side: ``launch_on_hosts`` builds a ``HostNet`` (network namespaces
 joined by veths limited to ``rate``), starts one Python process per host,
@@ -12,7 +12,7 @@ in ``CONFIG`` and writes the (JSON-able) return value to ``RESULT``. The
 process group comes from the environment as under torchrun: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` (host 0's address), ``MASTER_PORT``, and
 ``GLOO_SOCKET_IFNAME`` from ``HostNet.env`` (see [Note: what torchrun and gloo
-need in a host] in ``torchreplicate/hostnet.py``).
+need in a host] in ``tools/hostnet/__init__.py``).
 
 Needs what ``HostNet`` needs (Linux, root, ``ip`` and ``tc``): ask
 ``hosts_available()`` first and skip, saying why, where it says no.
@@ -32,7 +32,7 @@ import threading
 import time
 from typing import IO, Any, Callable
 
-from torchreplicate import hostnet
+import hostnet
 from torchreplicate.launcher import die_with_parent
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

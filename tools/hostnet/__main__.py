@@ -1,4 +1,4 @@
-"""The command line of hostnet.py: ``python -m torchreplicate.hostnet --hosts 2 --rate 1gbit -- COMMAND``.
+"""The command line of hostnet: ``python -m hostnet --hosts 2 --rate 1gbit -- COMMAND`` (``tools/`` on PYTHONPATH).
 
 Runs one command in every host (each line prefixed with its host), or a
 shell in host 0, and tears the hosts down at the end.
@@ -14,8 +14,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-from torchreplicate.hostnet import HostNet, wait_all
-from torchreplicate.netns import KILL_GRACE_S
+from hostnet import HostNet, wait_all
+from hostnet.netns import KILL_GRACE_S
 
 
 def _forward_lines(prefix: str, source: IO[bytes]) -> None:
@@ -63,7 +63,7 @@ def _run_everywhere(net: HostNet, command: Sequence[str], timeout_s: float) -> i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI: ``python -m torchreplicate.hostnet [--hosts N] [--rate R] (shell | -- COMMAND ...)``."""
+    """The CLI: ``python -m hostnet [--hosts N] [--rate R] (shell | -- COMMAND ...)``."""
     parser = _parser()
     options = parser.parse_args(argv)
     command = options.command[1:] if options.command[:1] == ["--"] else options.command
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.hostnet",
+        prog="python -m hostnet",
         description="Run COMMAND in each of N hosts (network namespaces joined by rate-limited links), "
         "then delete them. Each host gets the variables of HostNet.env(i), so one torchrun line fits all: "
         "torchrun --nnodes N ... --rdzv-backend c10d --rdzv-endpoint 10.213.7.1:29500 --rdzv-id JOB train.py",
@@ -113,3 +113,7 @@ def _print_hosts(net: HostNet) -> None:
             f"ip netns exec {host.namespace} env {variables} bash",
             file=sys.stderr,
         )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Network namespaces from Python: the ``ip``/``tc`` commands, names, and the processes inside.
 
-The system side of hostnet.py, which holds the network itself (what hosts,
+The system side of hostnet (its ``__init__.py``), which holds the network itself (what hosts,
 links and limits to build). Here: running ``ip`` and ``tc`` with a timeout
 (``check``, and ``cleanup`` for teardown, which reports instead of raising),
 whether namespaces work here at all (``probe``), deleting them with

@@ -1,14 +1,14 @@
 """Several hosts on one machine: network namespaces joined by rate-limited links.
 
 Multi-node code (``torchrun --nnodes 2``) needs several hosts to be tested;
-this module makes them on one Linux machine, as root, so that CI can run a
+this package makes them on one Linux machine, as root, so that CI can run a
 real multi-node launch and a benchmark can run at a chosen link rate::
 
     with HostNet(num_hosts=2, rate="1gbit") as net:
         procs = [net.run(i, ["torchrun", ...], env=net.env(i)) for i in range(2)]
 
-    python -m torchreplicate.hostnet --hosts 2 --rate 1gbit -- torchrun ... train.py
-    python -m torchreplicate.hostnet --hosts 2 shell
+    PYTHONPATH=tools python -m hostnet --hosts 2 --rate 1gbit -- torchrun ... train.py
+    PYTHONPATH=tools python -m hostnet --hosts 2 shell
 
 Each host is a network namespace with loopback up and one interface,
 ``veth0``, holding ``10.213.7.<i+1>/24``. Two hosts are one veth pair; more
@@ -16,7 +16,9 @@ hosts each have a veth to a bridge in a hub namespace. Nothing is created in
 the machine's own namespace and no host has a route beyond the /24, so no
 packet can leave the hosts; two runs at once, each in namespaces of its own,
 can use the same addresses and ports. The ``ip``/``tc`` commands, the
-namespaces' names and their teardown are in netns.py.
+namespaces' names and their teardown are in netns.py, the command line in
+__main__.py. A tool of the repository's tests and benchmarks (``tools/`` on
+``sys.path``), not part of the installed torchreplicate.
 
 [Note: rate limit]
 Every host's interface has an egress ``tbf`` (token bucket) at ``rate``; with a
@@ -72,16 +74,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType, TracebackType
 from typing import IO, Any, NamedTuple, Union
 
-from torchreplicate import netns
-from torchreplicate.netns import KILL_GRACE_S as KILL_GRACE_S  # public here too, where it began; unused here
-from torchreplicate.netns import CommandError, remove_stale  # public here too, where they began
+from hostnet import netns
 
 SUBNET_PREFIX = "10.213.7"  # host i has SUBNET_PREFIX.<i+1>/24; private, and only ever inside our namespaces
 INTERFACE = "veth0"  # every host's one interface, so one command line fits every host
@@ -170,7 +169,7 @@ class HostNet:
     leaving it, also on an exception) kills every process inside them and
     deletes them; an ``atexit`` hook and a SIGTERM/SIGHUP handler (installed
     where the signal had its default action) close it too. Namespaces left by a
-    run killed outright are deleted by the next start (see ``remove_stale``).
+    run killed outright are deleted by the next start (see ``netns.remove_stale``).
     """
 
     def __init__(self, *, num_hosts: int = 2, rate: str | None = "1gbit", delay: str | None = None) -> None:
@@ -211,7 +210,7 @@ class HostNet:
         ok, reason = available()
         if not ok:
             raise RuntimeError(f"HostNet: cannot create hosts here: {reason}")
-        remove_stale()
+        netns.remove_stale()
         self.state = NetState.UP
         atexit.register(self.close)
         self._install_signal_handlers()
@@ -328,7 +327,7 @@ class HostNet:
             try:
                 netem = ["netem", "delay", self.spec.delay]
                 netns.check(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", *netem])
-            except CommandError as error:
+            except netns.CommandError as error:
                 raise RuntimeError(
                     f"HostNet(delay={self.spec.delay!r}): this kernel has no netem qdisc ({error.detail}), so "
                     "the delay cannot be applied; load sch_netem (`modprobe sch_netem`) or use delay=None"
@@ -377,9 +376,3 @@ def available() -> tuple[bool, str]:
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through `with HostNet()`, which tears down
-
-
-if __name__ == "__main__":  # python -m torchreplicate.hostnet: the command line is in hostnet_cli.py
-    from torchreplicate.hostnet_cli import main
-
-    sys.exit(main())
