@@ -63,7 +63,7 @@ def traced_step() -> tuple[list[str], int]:
 
 def main() -> None:
     files, crossings = launch(traced_step, 2, timeout_s=300)[0]
-    print(f"one synchronised step (rank 0) runs functions of {len(files)} library files, {crossings} calls across files:")
+    print(f"one synchronised step (rank 0): functions of {len(files)} library files, {crossings} calls across files")
     for name in files:
         print(f"  {name}")
 
