@@ -2,7 +2,12 @@
 
 Each has no public equivalent; each was checked on torch 2.13.0 (the
 declared minimum), with the torch versions it is known to exist in. If a
-later torch moves one, this file is the only one to change.
+later torch moves one, this file is the only one to change. Two reads stay
+inline on the gradient hook's hot path, where a call would double its cost,
+each with a comment naming its function here: ``PROFILER._is_profiler_enabled``
+and ``param._post_accumulate_grad_hooks`` (reducer/reducer.py). ``ReplicateModule``
+overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
+``.double()``) goes through (api.py).
 """
 
 from __future__ import annotations
@@ -65,6 +70,22 @@ def in_backward_optimizers(param: nn.Parameter) -> tuple[torch.optim.Optimizer, 
     DDP reads them too; the reducer steps them once the average is in ``.grad``.
     """
     return tuple(getattr(param, "_in_backward_optimizers", ()))
+
+
+def parameters_of(module: nn.Module) -> dict[str, Any]:
+    """``module._parameters``, the dict ``nn.Module`` keeps its own parameters in (every torch).
+
+    Writing it directly, not through ``setattr``, swaps a tensor in for one
+    forward without running the global registration hooks ([Note:
+    re-planning] in core/plan.py) or ``nn.Module``'s type checks; FSDP2 and
+    ``torch.func.functional_call`` do the same.
+    """
+    return module._parameters
+
+
+def buffers_of(module: nn.Module) -> dict[str, Any]:
+    """``module._buffers``, the dict ``nn.Module`` keeps its own buffers in (every torch); see ``parameters_of``."""
+    return module._buffers
 
 
 def num_in_backward_optimizer_params() -> int:

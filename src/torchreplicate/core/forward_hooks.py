@@ -20,7 +20,7 @@ from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
-from torchreplicate.torch_internals import compiled_autograd_enabled
+from torchreplicate.torch_internals import buffers_of, compiled_autograd_enabled
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -124,7 +124,7 @@ def broadcast_buffers_from(state: ReplicateState, source: int) -> None:
     for (owner, name), tensor in zip(state.plan.buffers, fresh, strict=True):
         module = owner()
         assert module is not None, "a buffer's owner outlives the plan while the root lives"
-        module._buffers[name] = tensor
+        buffers_of(module)[name] = tensor
 
 
 def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import policy_dtypes
 from torchreplicate.core.plan import Plan
+from torchreplicate.torch_internals import parameters_of
 
 
 class MixedPrecision:
@@ -87,18 +88,18 @@ class _CastParams:
         self.saved: list[list[Optional[nn.Parameter]]] = []  # a stack: a module may call itself
 
     def before(self, module: nn.Module, args: Any) -> None:
-        params = module._parameters
+        params = parameters_of(module)
         originals = [params[name] for name in self.names]
         self.saved.append(originals)
         for name, param in zip(self.names, originals, strict=True):
             if param is not None:
                 # not through setattr: a plain tensor in _parameters for the forward only,
                 # and no global registration hook runs ([Note: re-planning] in plan.py)
-                params[name] = param.to(self.dtype)  # type: ignore[assignment]
+                params[name] = param.to(self.dtype)
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         originals = self.saved.pop()
-        params = module._parameters
+        params = parameters_of(module)
         for name, param in zip(self.names, originals, strict=True):
             params[name] = param
 
