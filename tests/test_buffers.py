@@ -69,6 +69,7 @@ def sync_batchnorm_trains(rank, world_size):
     assert_replicas_identical(model, "after 3 steps")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="torch.nn.SyncBatchNorm raises 'SyncBatchNorm expected input tensor to be on GPU' in training "
