@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -155,6 +156,7 @@ class Pools:
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # torchrun, run by this interpreter
 
 
 def run_command(
