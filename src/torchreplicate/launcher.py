@@ -1,22 +1,20 @@
-"""A single-machine launcher: N local processes, one gloo rank each.
+"""Runs a function on N local processes, one gloo rank each, and returns its results.
 
-From Python, ``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every
-rank and returns the results by rank. From the shell, ``python -m
-torchreplicate.launcher --nproc-per-node 2 train.py ARGS`` runs a script as
-``torchrun`` would: each process gets ``RANK``, ``WORLD_SIZE``,
+``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every rank and
+returns the results by rank. Each process gets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free ``MASTER_PORT``, and
-calls ``init_process_group()`` itself. A failing rank's traceback is raised
-in the parent and the other ranks are killed; workers die with the parent.
+``fn`` calls ``init_process_group()`` itself. A failing rank's traceback is
+raised in the parent and the other ranks are killed; workers die with the
+parent. Scripts run under torchrun instead (``python -m torch.distributed.run
+--standalone --nproc-per-node 2 train.py``): this module has no command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import multiprocessing
 import os
 import queue
-import runpy
 import signal
 import socket
 import sys
@@ -177,36 +175,3 @@ def _check_exits(processes: Sequence[BaseProcess], values: dict[int, Any]) -> No
         if process.exitcode not in (None, 0) and rank not in values:
             time.sleep(0.2)  # its traceback may still be in the queue's pipe
             raise WorkerError(rank, f"exited with code {process.exitcode}")
-
-
-def run_script(path: str, argv: Sequence[str]) -> None:
-    """Runs a Python script as ``__main__`` with ``argv``, as torchrun would."""
-    sys.argv = [path, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    runpy.run_path(path, run_name="__main__")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m torchreplicate.launcher``: the command-line launcher."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.launcher",
-        description="Run a training script on N local gloo ranks (like torchrun, one machine).",
-    )
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    options = parser.parse_args(argv)
-    try:
-        launch(run_script, options.nproc_per_node, (options.script, options.script_args), timeout_s=options.timeout)
-    except WorkerError as error:
-        print(f"torchreplicate.launch: {error}", file=sys.stderr)
-        return 1
-    except TimeoutError as error:
-        print(f"torchreplicate.launch: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
