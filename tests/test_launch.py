@@ -3,6 +3,7 @@
 import multiprocessing
 import os
 import re
+import threading
 import time
 from typing import NamedTuple
 
@@ -41,6 +42,10 @@ def sleeps_forever() -> None:
     time.sleep(600)
 
 
+def returns_a_lock() -> object:
+    return threading.Lock()
+
+
 def test_launch_returns_results_by_rank():
     results = launch(rank_and_sum, 3, timeout_s=120)
     assert results == [RankReport(0, 3, 6.0), RankReport(1, 3, 6.0), RankReport(2, 3, 6.0)]
@@ -66,6 +71,11 @@ def test_timeout_kills_every_rank():
     with pytest.raises(TimeoutError, match="after 3 s"):
         launch(sleeps_forever, 2, timeout_s=3)
     assert _children() - before == set(), "a launched rank outlived launch()"
+
+
+def test_a_value_that_cannot_be_pickled_is_reported_not_waited_for():
+    with pytest.raises(WorkerError, match="returns_a_lock returned a value that cannot be pickled"):
+        launch(returns_a_lock, 2, timeout_s=120)
 
 
 def test_bad_nprocs():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -81,9 +82,11 @@ def _worker(
         if dist.is_initialized():
             dist.destroy_process_group()
     try:
-        results.put((rank, True, value))
-    except Exception:  # an unpicklable result: report it, not hang
-        results.put((rank, False, f"rank {rank}: its return value cannot be pickled"))
+        pickle.dumps(value)  # the queue pickles in a background thread, where a failure goes unseen
+    except Exception as error:
+        results.put((rank, False, f"{fn.__name__} returned a value that cannot be pickled: {error!r}"))
+        sys.exit(1)
+    results.put((rank, True, value))
 
 
 def launch(
