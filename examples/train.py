@@ -1,9 +1,9 @@
 """Train a small character-level language model on N CPU ranks with replicate().
 
-Run with our launcher or with torchrun, unchanged:
+Run it with torchrun (``python -m torch.distributed.run`` is torchrun), which
+sets each rank's environment for ``init_process_group()``:
 
-    python -m torchreplicate.launcher --nproc-per-node 2 examples/train.py
-    torchrun --nproc-per-node=2 examples/train.py
+    .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train.py
 
 Each rank trains on its own slice of every global batch. At the end the ranks
 compare their weights bit for bit, and rank 0 replays the same training in one

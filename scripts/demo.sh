@@ -7,5 +7,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 TRACE=${TRACE:-${TMPDIR:-/tmp}/torchreplicate-demo/trace.json}
-exec .venv/bin/python -m torchreplicate.launcher --nproc-per-node 2 --timeout 600 examples/train.py \
+exec timeout 600 .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train.py \
   --bucket-cap-mb 0.04 --trace "$TRACE" --summary-every 100 --verify-every 100 "$@"

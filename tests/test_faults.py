@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 import time
@@ -18,7 +17,7 @@ from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.errors import DesyncReport, format_desync
-from torchreplicate.launcher import free_port
+from torchreplicate.launcher import start_ranks, stop_ranks
 
 
 def _net() -> nn.Module:
@@ -122,8 +121,9 @@ class Outcome(NamedTuple):
     cause: str = ""  # the error's __cause__ (str): gloo's own text under replicate()'s, or ""
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
-    init_rank(rank, world_size, port)
+def _rank_main(rank: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
+    init_rank()
+    world_size = dist.get_world_size()
     marks = [time.monotonic()]
     try:
         value = fn(rank, world_size, marks, *args)
@@ -146,24 +146,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: f
     error's ``waited_s`` counts from the last mark. Every process is killed at
     the deadline (then its exitcode is None).
     """
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
+    processes, results = start_ranks(_rank_main, world_size, (fn, args))
     end = time.monotonic() + deadline_s
     for process in processes:
         process.join(max(0.1, end - time.monotonic()))
-    exitcodes = []
-    for process in processes:
-        exitcodes.append(process.exitcode)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+    exitcodes = [process.exitcode for process in processes]
+    stop_ranks(processes)
     reported: dict[int, tuple] = {}
     while len(reported) < world_size:
         try:

@@ -1,8 +1,9 @@
-"""The single-machine launcher, from Python and from the command line."""
+"""launch() from Python; scripts under torchrun."""
 
 import multiprocessing
 import os
-import sys
+import re
+import threading
 import time
 from typing import NamedTuple
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_command
+from harness import TORCHRUN, run_command
 from torchreplicate.launcher import WorkerError, launch
 
 # -- launch() from Python: the targets run on the launched ranks, which import
@@ -41,6 +42,10 @@ def sleeps_forever() -> None:
     time.sleep(600)
 
 
+def returns_a_lock() -> object:
+    return threading.Lock()
+
+
 def test_launch_returns_results_by_rank():
     results = launch(rank_and_sum, 3, timeout_s=120)
     assert results == [RankReport(0, 3, 6.0), RankReport(1, 3, 6.0), RankReport(2, 3, 6.0)]
@@ -68,39 +73,36 @@ def test_timeout_kills_every_rank():
     assert _children() - before == set(), "a launched rank outlived launch()"
 
 
+def test_a_value_that_cannot_be_pickled_is_reported_not_waited_for():
+    with pytest.raises(WorkerError, match="returns_a_lock returned a value that cannot be pickled"):
+        launch(returns_a_lock, 2, timeout_s=120)
+
+
 def test_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
         launch(rank_and_sum, 0)
 
 
-# -- the command line
+# -- scripts: torchrun, not this package, launches them
+
+TWO_RANKS = [*TORCHRUN, "--standalone", "--nproc-per-node", "2"]
 
 
 def _run(command, timeout=180):
     return run_command(command, timeout=timeout)  # from the repository root (harness.ROOT)
 
 
-def test_command_line_runs_the_example():
-    done = _run(
-        [sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py", "--steps", "30"]
-    )
+def test_torchrun_runs_the_example():
+    done = _run([*TWO_RANKS, "examples/train.py", "--steps", "30"])
     assert done.returncode == 0, done.stderr
     assert "identical: True" in done.stdout and "match: True" in done.stdout
     assert "RuntimeWarning" not in done.stderr
 
 
-def test_command_line_reports_failure(tmp_path):
+def test_torchrun_reports_a_failing_rank(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one gives up')\n")
-    done = _run([sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", str(script)])
+    done = _run([*TWO_RANKS, str(script)])
     assert done.returncode == 1
-    assert "rank 1 failed" in done.stderr
-
-
-def test_same_script_runs_under_torchrun():
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if not os.path.exists(torchrun):
-        pytest.skip(f"torchrun is not installed beside {sys.executable}")
-    done = _run([torchrun, "--standalone", "--nproc-per-node=2", "examples/train.py", "--steps", "30"])
-    assert done.returncode == 0, done.stderr
-    assert "identical: True" in done.stdout and "match: True" in done.stdout
+    assert "rank one gives up" in done.stderr, done.stderr
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", done.stderr), done.stderr  # torchrun's root cause

@@ -9,10 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 from torch import nn
 
 import torchreplicate
+from harness import TORCHRUN, run_command
 from models import DIM, data
 from models import TINY_DIM_BUCKETS as TINY
 from parity import seeded
@@ -28,8 +26,6 @@ from torchreplicate import replicate
 from torchreplicate.observe.summary import summarize
 from torchreplicate.observe.timeline import StepRecorder
 from torchreplicate.observe.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _net() -> nn.Module:
@@ -289,10 +285,10 @@ def test_world_size_one_traces_forwards_only(pools, tmp_path):
 
 def test_the_example_traces_summarises_and_checks(tmp_path):
     path = tmp_path / "demo" / "trace.json"
-    command = [sys.executable, "-m", "torchreplicate.launcher", "--nproc-per-node", "2", "examples/train.py"]
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/train.py"]
     command += ["--steps", "20", "--bucket-cap-mb", "0.04", "--trace", str(path)]
     command += ["--summary-every", "10", "--verify-every", "10"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_command(command, timeout=120)  # on timeout kills torchrun's workers too
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("replica check: 7 tensors bitwise identical on 2 ranks"), done.stdout
     assert "steps 0-9 on 2 rank(s)" in done.stderr and "steps 10-19 on 2 rank(s)" in done.stderr, done.stderr

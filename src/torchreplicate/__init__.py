@@ -4,11 +4,10 @@
 every backward, each parameter's ``.grad`` is the mean over all ranks.
 """
 
-from typing import Any
-
 from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.state import ReplicateState
+from torchreplicate.launcher import launch
 from torchreplicate.observe.summary import StepSummary, log_summary
 from torchreplicate.observe.tracing import trace
 from torchreplicate.observe.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
@@ -29,13 +28,3 @@ __all__ = [
     "trace",
     "verify_replicas",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # The launcher loads on first use, so `python -m torchreplicate.launch`
-    # does not find its own module imported already.
-    if name == "launch":
-        from torchreplicate.launcher import launch
-
-        return launch
-    raise AttributeError(f"module 'torchreplicate' has no attribute {name!r}")

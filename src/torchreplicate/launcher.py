@@ -1,38 +1,57 @@
-"""A single-machine launcher: N local processes, one gloo rank each.
+"""Runs a function on N local processes, one gloo rank each, and returns its results.
 
-From Python, ``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every
-rank and returns the results by rank. From the shell, ``python -m
-torchreplicate.launcher --nproc-per-node 2 train.py ARGS`` runs a script as
-``torchrun`` would: each process gets ``RANK``, ``WORLD_SIZE``,
+``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every rank and
+returns the results by rank. Each process gets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free ``MASTER_PORT``, and
-calls ``init_process_group()`` itself. A failing rank's traceback is raised
-in the parent and the other ranks are killed; workers die with the parent.
+``fn`` calls ``init_process_group()`` itself. A failing rank's traceback is
+raised in the parent and the other ranks are killed; workers die with the
+parent. Scripts run under torchrun instead (``python -m torch.distributed.run
+--standalone --nproc-per-node 2 train.py``): this module has no command line.
+
+``torch.multiprocessing.spawn`` starts and joins ranks too, but returns no
+values and has no deadline. The pieces of ``launch()`` are public so that the
+test suite's persistent worker pools use the same ones: ``start_ranks``,
+``call_and_report``, ``collect_results`` and ``stop_ranks``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
+import math
 import multiprocessing
 import os
+import pickle
 import queue
-import runpy
 import signal
 import socket
 import sys
 import time
 import traceback
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Optional, Sequence
+from multiprocessing.queues import Queue
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeAlias
+
+ResultQueue: TypeAlias = "Queue[tuple[int, bool, Any]]"  # (rank, ok, value): see call_and_report
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed; carries its rank and traceback."""
+    """Ranks failed: raised an exception, or exited without a result.
 
-    def __init__(self, rank: int, detail: str) -> None:
-        super().__init__(f"rank {rank} failed:\n{detail}")
-        self.rank = rank  # the first rank seen failing
-        self.detail = detail  # its traceback, or how it exited
+    Attributes:
+        rank: the first rank seen failing.
+        detail: its traceback, or how it exited.
+        failures: every failing rank's traceback or exit, by rank.
+    """
+
+    def __init__(self, failures: Mapping[int, str]) -> None:
+        self.failures = dict(failures)
+        self.rank, self.detail = next(iter(self.failures.items()))
+        if len(self.failures) == 1:
+            message = f"rank {self.rank} failed:\n{self.detail}"
+        else:
+            reports = "".join(f"\n--- rank {r} ---\n{d}" for r, d in sorted(self.failures.items()))
+            message = f"ranks {sorted(self.failures)} failed:{reports}"
+        super().__init__(message)
 
 
 def free_port() -> int:
@@ -51,14 +70,39 @@ def die_with_parent() -> None:
         pass  # not Linux: the parent's kill on failure still applies
 
 
-def _worker(
-    rank: int,
-    nprocs: int,
-    port: int,
-    threads: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    results: "multiprocessing.Queue[tuple[int, bool, Any]]",
+def start_ranks(
+    target: Callable[..., None], nprocs: int, args: Sequence[Any] = ()
+) -> tuple[list[BaseProcess], ResultQueue]:
+    """Spawns ``nprocs`` processes, one rank each, that run ``target(rank, results, *args)``.
+
+    Each process dies with this one and starts with the environment torchrun
+    gives a rank: ``RANK`` and ``LOCAL_RANK``, ``WORLD_SIZE`` and
+    ``LOCAL_WORLD_SIZE`` (``nprocs``), ``MASTER_ADDR`` (127.0.0.1) and
+    ``MASTER_PORT`` (a free port), so ``init_process_group("gloo")`` needs no
+    other argument. Spawned, not forked: forking a process that has started
+    torch's threads can deadlock.
+
+    Args:
+        target: what each process runs; defined at module level (spawn imports it by name).
+        nprocs: number of processes.
+        args: further arguments for ``target``, picklable. Default none.
+
+    Returns:
+        The processes, by rank, and the queue for their results (see ``call_and_report``).
+    """
+    context = multiprocessing.get_context("spawn")
+    results: ResultQueue = context.Queue()
+    port = free_port()
+    processes: list[BaseProcess] = [
+        context.Process(target=_rank_main, args=(rank, nprocs, port, target, results, args)) for rank in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def _rank_main(
+    rank: int, nprocs: int, port: int, target: Callable[..., None], results: ResultQueue, args: Sequence[Any]
 ) -> None:
     die_with_parent()
     os.environ.update(
@@ -69,23 +113,105 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    import torch
+    target(rank, results, *args)
 
-    torch.set_num_threads(threads)
+
+def call_and_report(results: ResultQueue, rank: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Runs ``fn(*args, **kwargs)`` on a rank and sends ``(rank, ok, value)`` on ``results``.
+
+    Args:
+        results: the queue from ``start_ranks``.
+        rank: this process's rank.
+        fn: the function to run.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        True if ``fn`` returned (``value`` is its return value); False if it
+        raised (``value`` is the traceback) or returned a value that cannot
+        be pickled (``value`` says so).
+    """
     try:
-        value = fn(*args)
+        value = fn(*args, **kwargs)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
-        sys.exit(1)
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return False
     try:
-        results.put((rank, True, value))
-    except Exception:  # an unpicklable result: report it, not hang
-        results.put((rank, False, f"rank {rank}: its return value cannot be pickled"))
+        pickle.dumps(value)  # the queue pickles in a background thread, where a failure goes unseen
+    except Exception as error:
+        results.put((rank, False, f"{fn.__name__} returned a value that cannot be pickled: {error!r}"))
+        return False
+    results.put((rank, True, value))
+    return True
+
+
+def collect_results(
+    results: ResultQueue,
+    processes: Sequence[BaseProcess],
+    timeout_s: Optional[float] = None,
+    *,
+    grace_s: float = 0.0,
+) -> list[Any]:
+    """Waits for one result per rank (as ``call_and_report`` sends them); stops no process.
+
+    Args:
+        results: the queue from ``start_ranks``.
+        processes: the processes from ``start_ranks``, by rank.
+        timeout_s: give up after this many seconds. Default: no limit.
+        grace_s: after a first failure, wait this long for the other ranks'
+            results or failures, to report them too. Default 0.
+
+    Returns:
+        The values, by rank.
+
+    Raises:
+        WorkerError: a rank raised, or exited without a result.
+        TimeoutError: ``timeout_s`` passed with ranks still running.
+    """
+    values: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    exited: list[int] = []
+    while len(values) + len(failures) < len(processes):
+        try:
+            rank, ok, value = results.get(timeout=0.1)
+        except queue.Empty:
+            done = set(values) | set(failures)
+            gone = [r for r, p in enumerate(processes) if p.exitcode is not None and r not in done]
+            if (gone and gone == exited) or time.monotonic() > deadline:
+                break
+            exited = gone  # their last message may still be in the pipe: read once more before deciding
+            continue
+        if ok:
+            values[rank] = value
+        else:
+            failures[rank] = value
+            deadline = min(deadline, time.monotonic() + grace_s)
+    for rank, process in enumerate(processes):
+        if rank not in values and rank not in failures and process.exitcode is not None:
+            failures[rank] = f"exited with code {process.exitcode} without a result"
+    if failures:
+        raise WorkerError(failures)
+    if len(values) < len(processes):
+        running = [r for r in range(len(processes)) if r not in values]
+        raise TimeoutError(f"ranks {running} still running after {timeout_s} s")
+    return [values[rank] for rank in range(len(processes))]
+
+
+def stop_ranks(processes: Sequence[BaseProcess], grace_s: float = 0.0) -> None:
+    """Waits up to ``grace_s`` seconds for the processes to exit, then kills the others and reaps them all.
+
+    Args:
+        processes: the processes from ``start_ranks``.
+        grace_s: seconds they have, all together, to exit by themselves. Default 0.
+    """
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=5)
 
 
 def launch(
@@ -121,92 +247,32 @@ def launch(
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"launch(): nprocs must be a positive int, got {nprocs!r}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-    processes, results = _start_ranks(fn, args, nprocs, threads)
+    processes, results = start_ranks(_launched, nprocs, (fn, args, threads))
     try:
-        values = _collect_results(results, processes, timeout_s)
-        for process in processes:
-            process.join(timeout=30)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=5)
-    return [values[rank] for rank in range(nprocs)]
-
-
-def _start_ranks(
-    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, threads: int
-) -> tuple[list[BaseProcess], "multiprocessing.Queue[tuple[int, bool, Any]]"]:
-    # Spawned, not forked: forking a process that has started torch's threads can deadlock.
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes: list[BaseProcess] = [
-        context.Process(target=_worker, args=(rank, nprocs, port, threads, fn, args, results), daemon=False)
-        for rank in range(nprocs)
-    ]
-    for process in processes:
-        process.start()
-    return processes, results
-
-
-def _collect_results(
-    results: "multiprocessing.Queue[tuple[int, bool, Any]]",
-    processes: Sequence[BaseProcess],
-    timeout_s: Optional[float],
-) -> dict[int, Any]:
-    # Every rank's value, as they come; a rank that raised or died, or the deadline, raises.
-    values: dict[int, Any] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while len(values) < len(processes):
-        try:
-            rank, ok, value = results.get(timeout=0.05)
-        except queue.Empty:
-            _check_exits(processes, values)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"launch(): ranks still running after {timeout_s} s; killed them") from None
-            continue
-        if not ok:
-            raise WorkerError(rank, value)
-        values[rank] = value
+        values = collect_results(results, processes, timeout_s)
+    except BaseException:
+        stop_ranks(processes)  # at once: the others may wait for the failed rank forever
+        raise
+    stop_ranks(processes, grace_s=30)  # time to tear their process groups down
     return values
 
 
-def _check_exits(processes: Sequence[BaseProcess], values: dict[int, Any]) -> None:
-    for rank, process in enumerate(processes):
-        if process.exitcode not in (None, 0) and rank not in values:
-            time.sleep(0.2)  # its traceback may still be in the queue's pipe
-            raise WorkerError(rank, f"exited with code {process.exitcode}")
+def _launched(rank: int, results: ResultQueue, fn: Callable[..., Any], args: Sequence[Any], threads: int) -> None:
+    import torch
+    import torch.distributed as dist
 
-
-def run_script(path: str, argv: Sequence[str]) -> None:
-    """Runs a Python script as ``__main__`` with ``argv``, as torchrun would."""
-    sys.argv = [path, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    runpy.run_path(path, run_name="__main__")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m torchreplicate.launcher``: the command-line launcher."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torchreplicate.launcher",
-        description="Run a training script on N local gloo ranks (like torchrun, one machine).",
-    )
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=2, help="number of ranks (default 2)")
-    parser.add_argument("--timeout", type=float, default=None, help="kill all ranks after this many seconds")
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    options = parser.parse_args(argv)
+    torch.set_num_threads(threads)
     try:
-        launch(run_script, options.nproc_per_node, (options.script, options.script_args), timeout_s=options.timeout)
-    except WorkerError as error:
-        print(f"torchreplicate.launch: {error}", file=sys.stderr)
-        return 1
-    except TimeoutError as error:
-        print(f"torchreplicate.launch: {error}", file=sys.stderr)
-        return 1
-    return 0
+        ok = call_and_report(results, rank, fn, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if not ok:
+        sys.exit(1)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the command line that was here: torchrun runs scripts now
+    sys.exit(
+        "python -m torchreplicate.launcher has no command line any more; run the script with "
+        "torchrun --standalone --nproc-per-node N script.py (or python -m torch.distributed.run ...)"
+    )

@@ -275,7 +275,7 @@ class ReplicateState:
             raise RuntimeError(
                 "replicate(): torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group() first (torchrun or "
-                "torchreplicate.launcher set up its environment)"
+                "torchreplicate.launch() set up its environment)"
             )
         world = dist.group.WORLD
         assert world is not None, "initialised above"
