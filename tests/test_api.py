@@ -228,3 +228,40 @@ def test_destroyed_group_is_freed_and_named(pools):
     # A group kept alive by a model ran gloo's threads into interpreter
     # finalization, which aborted ~1 exit in 20 (torch 2.13): held weakly.
     pools.run(2, check_live_model_lets_its_group_go)
+
+
+class WrapsAModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(4, 4)  # its own submodule named `module`: it wins
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class ModuleProperty(nn.Linear):
+    @property
+    def module(self):
+        return "the class's own"
+
+
+def check_model_module(rank, world_size):
+    model = MLP()
+    keys = list(model.state_dict())
+    replicate(model)
+    assert model.module is model, f"rank {rank}: model.module is not the model"
+    assert list(model.module.state_dict()) == keys == list(model.state_dict()), f"rank {rank}: keys changed"
+    assert "module" not in dict(model.named_modules()), f"rank {rank}: `module` became a submodule"
+    wrapper = WrapsAModule()
+    replicate(wrapper)
+    assert wrapper.module is wrapper._modules["module"], f"rank {rank}: the model's submodule lost to ours"
+    assert list(wrapper.state_dict()) == ["module.weight", "module.bias"], f"rank {rank}: {list(wrapper.state_dict())}"
+    own = replicate(ModuleProperty(4, 4))
+    assert own.module == "the class's own", f"rank {rank}: the class's property lost to ours"
+    model.module = "set by the user"  # a plain attribute wins too, and setting it works
+    assert model.module == "set by the user", f"rank {rank}: {model.module!r}"
+
+
+def test_model_module_is_the_model(pools):
+    # DDP code unwraps `model.module`; the model is the module.
+    pools.run(2, check_model_module)

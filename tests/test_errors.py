@@ -10,10 +10,13 @@ from torchreplicate import replicate
 
 @pytest.mark.parametrize("device_id", ["cpu", 1.5, [0], object()])
 def test_device_id_type(device_id):
+    # a TypeError (ours) and a RuntimeError (the seed's), the seed's text first
     with pytest.raises(TypeError) as info:
         replicate(MLP(), device_id=device_id)
+    assert isinstance(info.value, RuntimeError)
     message = str(info.value)
     assert message.startswith(
+        f"Expected device_id to be int or torch.device, but got {type(device_id)}. "
         "replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a torch.device"
     )
     assert f"got {device_id!r} ({type(device_id).__name__})" in message
@@ -32,7 +35,7 @@ def test_not_a_module():
         ({"bucket_cap_mb": "25"}, ValueError, "bucket_cap_mb must be a positive number of MiB, got '25'"),
         ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be a positive"),
         ({"gradient_as_bucket_view": 1}, TypeError, "gradient_as_bucket_view must be True or False, got 1"),
-        ({"broadcast_buffers": None}, TypeError, "broadcast_buffers must be True or False, got None"),
+        ({"broadcast_buffers": 1}, TypeError, "broadcast_buffers must be True or False, got 1"),
         (
             {"ignored_modules": [nn.Linear(2, 2), "head"]},
             TypeError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import functools
-import warnings
+import inspect
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Optional, Union
 
@@ -20,7 +20,23 @@ from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.core.state import ReplicateState
+from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
+from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
+
+
+class _TheModel:
+    # `model.module` (see ReplicateModule): the model, unless it has a
+    # parameter, buffer or submodule of that name. Not a data descriptor, so an
+    # instance attribute `module` wins too; state_dict keys are untouched.
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        for store in ("_parameters", "_buffers", "_modules"):
+            values = obj.__dict__.get(store)
+            if values is not None and "module" in values:
+                return values["module"]
+        return obj
 
 
 class ReplicateModule:
@@ -28,7 +44,15 @@ class ReplicateModule:
 
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
+
+    Attributes:
+        module: the model itself. ``replicate()`` does not wrap, so the model
+            is the module; provided so DDP code that unwraps ``model.module``
+            keeps working. A model's own ``module`` (a submodule, parameter,
+            buffer or attribute of that name) wins.
     """
+
+    module = _TheModel()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Turns gradient averaging on (default) or off for the next backwards.
@@ -155,9 +179,10 @@ Joinable.register(ReplicateModule)  # torch's Join protocol, by duck typing (no 
 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
-    return type(
-        f"Replicate{cls.__name__}", (ReplicateModule, cls), {"__module__": cls.__module__, "original_class": cls}
-    )
+    namespace = {"__module__": cls.__module__, "original_class": cls}
+    if hasattr(cls, "module"):  # the model class's own `module` wins over ReplicateModule's
+        namespace["module"] = inspect.getattr_static(cls, "module")
+    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), namespace)
 
 
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__(2) returns; not in typeshed
@@ -171,7 +196,7 @@ def _original_class(cls: type) -> type:
 
 def replicate(
     module: nn.Module,
-    *,
+    *positional: Any,
     ignored_modules: Optional[Iterable[nn.Module]] = None,
     device_id: Union[int, torch.device, None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
@@ -180,13 +205,14 @@ def replicate(
     bucket_cap_mb: Optional[float] = None,
     first_bucket_cap_mb: float = 1,
     gradient_as_bucket_view: bool = True,
-    broadcast_buffers: bool = True,
+    broadcast_buffers: Optional[bool] = None,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
     reduce_dtype: Optional[torch.dtype] = None,
     gradient_divide_factor: Optional[float] = None,
     stall_timeout: Union[float, timedelta, None] = 60.0,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    **ddp_arguments: Any,
 ) -> nn.Module:
     """Makes ``module`` a data-parallel replica, in place, and returns it.
 
@@ -220,7 +246,8 @@ def replicate(
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
         broadcast_buffers: before every forward, give every rank rank 0's
-            buffers (e.g. BatchNorm statistics). Default True.
+            buffers (e.g. BatchNorm statistics); they are broadcast at set-up
+            either way. Default None: True (DDP 2.13's default spelling).
         find_unused_parameters: accepted for DDP call sites; unused
             parameters are always handled, so True only warns. Default False.
         static_graph: accepted for DDP call sites; the reducer learns the
@@ -243,6 +270,13 @@ def replicate(
             gradients, reduce in ``reduce_dtype`` (default ``param_dtype``,
             as FSDP2), inputs cast when ``cast_forward_inputs``, outputs
             cast to ``output_dtype`` (see mixed_precision.py). Default None.
+        **ddp_arguments: the rest of DDP's constructor, with DDP's meaning
+            (``device_ids=[local_rank]``, ``output_device``, ``init_sync``,
+            ``forward_sync_buffers``, ...): mapped onto the options above, or
+            refused saying why and what to write (see ddp_args.py). Options
+            are keyword-only: a positional one is refused, naming its keyword.
+            ``init_sync=False`` keeps each rank's own parameters and buffers
+            (shapes are still checked across ranks).
 
     Returns:
         ``module`` itself.
@@ -253,17 +287,22 @@ def replicate(
             every rank, naming the parameter).
         TypeError / ValueError: an option has a bad value (the message names
             the option, the value and the fix).
+        Where torch's own ``replicate`` or DDP refuses the same input, the
+        exception is of their type too and their message comes first
+        ([Note: the seed's contract] in seed_contract.py).
     """
+    refuse_positional(positional)
     _refuse_unsupported(module)
-    device = to_device(device_id)
+    own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
+    options = translate(module, ddp_arguments, {**own, "init_sync": True})
     process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
-        device_id=device,
-        bucket_cap_mb=bucket_cap_mb,
+        device_id=to_device(options["device_id"]),
+        bucket_cap_mb=options["bucket_cap_mb"],
         first_bucket_cap_mb=first_bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=broadcast_buffers,
+        broadcast_buffers=True if options["broadcast_buffers"] is None else options["broadcast_buffers"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         reduce_dtype=reduce_dtype,
@@ -271,8 +310,9 @@ def replicate(
         stall_timeout=stall_timeout,
         mp_policy=mp_policy,
     )
-    _warn_ddp_only_options(find_unused_parameters, static_graph)
-    return _attach_state(module, config, process_group)
+    refuse_module(module, config.ignored_modules, config.device_id)
+    warn_ddp_only_flags(find_unused_parameters, static_graph)
+    return _attach_state(module, config, process_group, keep_local_values=not options["init_sync"])
 
 
 replicate.state = get_state  # type: ignore[attr-defined]
@@ -289,29 +329,40 @@ def _process_group(
     )
 
 
-def _warn_ddp_only_options(find_unused_parameters: bool, static_graph: bool) -> None:
-    # DDP options accepted so that DDP call sites run unchanged; the warnings
-    # point at replicate()'s caller (stacklevel 4: warn_no_effect, here, replicate()).
-    if find_unused_parameters:
-        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost", stacklevel=4)
-    if static_graph:
-        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps", stacklevel=4)
-
-
-def _attach_state(module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup]) -> nn.Module:
+def _attach_state(
+    module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup], *, keep_local_values: bool
+) -> nn.Module:
     # Registers the module's state and runs its set-up (undone if that fails),
     # then makes the module a ReplicateModule; returns it.
     state = ReplicateState(module, config, process_group)
     register_state(module, state)
+    local_values = _local_values(module) if keep_local_values else {}
     try:
         state.init()
     except BaseException:
         state.remove_hooks()
         unregister_state(module)
         raise
+    _restore_local_values(module, local_values)
     module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
     disable_join(module)  # torch's join config, disabled until a Join
     return module
+
+
+def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
+    # DDP's init_sync=False: each rank keeps its own parameters and buffers.
+    # The set-up still checks shapes across ranks and broadcasts (every rank
+    # runs the same collectives, whatever each passed); this copy is put back
+    # after it. By name: a device_id move replaces the buffers' tensors.
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return {name: tensor.detach().clone() for name, tensor in tensors}
+
+
+@torch.no_grad()
+def _restore_local_values(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for name, value in values.items():
+        named[name].copy_(value)
 
 
 def _refuse_unsupported(module: object) -> None:
@@ -325,6 +376,11 @@ def _refuse_unsupported(module: object) -> None:
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    if find_state(module) is not None:
+        raise AlreadyReplicatedError(
+            f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "
+            f"{type(module).__name__}: applying it twice is not supported; call it once on the root module"
+        )
     outer = enclosing_state(module)
     if outer is not None:
         raise RuntimeError(
@@ -333,17 +389,8 @@ def _refuse_unsupported(module: object) -> None:
             "enclosing module (nested replicate, as torchtitan does)"
         )
     if is_fully_sharded(module):
-        raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
-
-
-def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
-    """Warns that a DDP option is accepted for compatibility but changes nothing.
-
-    Args:
-        option: the option's name.
-        value: the value given.
-        why: why it changes nothing.
-        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
-            caller of the function that calls this one.
-    """
-    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)
+        raise RuntimeError(
+            "Cannot apply `replicate()` on a Module already managed by `fully_shard` replicate(): "
+            f"this {type(module).__name__} is sharded by fully_shard; replicate its parent instead "
+            "(submodules that fully_shard manages are skipped), or use fully_shard alone"
+        )

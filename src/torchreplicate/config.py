@@ -11,6 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate.seed_contract import (
+    DDP_BOTH_GROUPS_TEXT,
+    DeviceIdError,
+    GroupOptionError,
+    ddp_mesh_dims_text,
+    not_iterable_text,
+    seed_device_id_text,
+)
+
 
 @dataclass(frozen=True)
 class ReplicateConfig:
@@ -133,12 +142,14 @@ def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> 
         option: the mesh option's name as the user spelled it, for messages.
 
     Raises:
-        TypeError / ValueError: a wrong type, both given, or a mesh not 1-D.
+        TypeError: a wrong type.
+        GroupOptionError: (a ``ValueError`` and DDP's ``RuntimeError``) both
+            given, or a mesh not 1-D; DDP's message first.
     """
     if process_group is not None and mesh is not None:
-        raise ValueError(
-            f"replicate(): pass either process_group= or {option}=, not both (the {option}'s group "
-            "is the process group)"
+        raise GroupOptionError(
+            f"{DDP_BOTH_GROUPS_TEXT} replicate(): pass either process_group= or {option}=, not both "
+            f"(the {option}'s group is the process group)"
         )
     if mesh is not None:
         if type(mesh).__name__ != "DeviceMesh":
@@ -147,10 +158,10 @@ def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> 
         if device_mesh.ndim != 1:
             names = device_mesh.mesh_dim_names or ()
             slice_hint = f"{option}=mesh[{names[0]!r}]" if names else f'{option}=mesh["dp"] (name the dimensions)'
-            raise ValueError(
-                f"replicate(): {option} must be 1-D, the data-parallel dimension; got a {device_mesh.ndim}-D "
-                f"mesh {tuple(names)}. Pass its data-parallel slice, e.g. {slice_hint}; parameters that "
-                "are DTensors on the other dimensions (tensor parallel) keep their placements"
+            raise GroupOptionError(
+                f"{ddp_mesh_dims_text(mesh)} replicate(): {option} must be 1-D, the data-parallel dimension; "
+                f"got a {device_mesh.ndim}-D mesh {tuple(names)}. Pass its data-parallel slice, e.g. {slice_hint}; "
+                "parameters that are DTensors on the other dimensions (tensor parallel) keep their placements"
             )
         group: dist.ProcessGroup = device_mesh.get_group(0)
         return group
@@ -170,22 +181,26 @@ def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> 
 def to_ignored_modules(ignored_modules: object) -> tuple[nn.Module, ...]:
     """Turns ``replicate(ignored_modules=...)`` into a tuple of modules.
 
+    A container module (``nn.ModuleList``, ``nn.Sequential``) counts as the
+    iterable of its children, as the seed's ``set(ignored_modules)`` does.
+
     Raises:
-        TypeError: a single module, or something that is not an iterable of modules.
+        TypeError: a single module that is not a container, or something that
+            is not an iterable (the seed's message first: Python's).
     """
     if ignored_modules is None:
         return ()
-    if isinstance(ignored_modules, nn.Module):
+    if isinstance(ignored_modules, nn.Module) and not hasattr(ignored_modules, "__iter__"):
         raise TypeError(
-            f"replicate(): ignored_modules must be an iterable of modules, got a single "
-            f"{type(ignored_modules).__name__}; pass a list, e.g. ignored_modules=[model.head]"
+            f"{not_iterable_text(ignored_modules)}: replicate(): ignored_modules must be an iterable of "
+            f"modules, got a single {type(ignored_modules).__name__}; pass a list, e.g. ignored_modules=[model.head]"
         )
     try:
         modules = tuple(cast(Iterable[nn.Module], ignored_modules))
     except TypeError:
         raise TypeError(
-            "replicate(): ignored_modules must be an iterable of modules, got "
-            f"{type(ignored_modules).__name__}; pass e.g. ignored_modules=[model.head]"
+            f"{not_iterable_text(ignored_modules)}: replicate(): ignored_modules must be an iterable of "
+            f"modules, got {type(ignored_modules).__name__}; pass e.g. ignored_modules=[model.head]"
         ) from None
     return modules
 
@@ -197,27 +212,31 @@ def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.devic
     machine); where there is none it means the CPU, so one script runs on both.
 
     Raises:
-        TypeError: ``device_id`` is neither an int nor a torch.device.
-        ValueError: a negative index, or a device this machine does not have.
+        DeviceIdError: (a ``TypeError``, ``ValueError`` and the seed's
+            ``RuntimeError``) ``device_id`` is neither an int nor a
+            torch.device (the seed's message first), a bool, a negative
+            index, or a device this machine does not have.
     """
     if device_id is None:
         return None
     if isinstance(device_id, int) and not isinstance(device_id, bool):
         if device_id < 0:
-            raise ValueError(
+            raise DeviceIdError(
                 f"replicate(): device_id must be a non-negative accelerator index, got {device_id}; "
                 "pass e.g. int(os.environ['LOCAL_RANK'])"
             )
         return torch.device("cuda", device_id) if torch.cuda.is_available() else torch.device("cpu")
     if isinstance(device_id, torch.device):
         if device_id.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
+            raise DeviceIdError(
                 f"replicate(): device_id={device_id} but CUDA is not available here; pass None or torch.device('cpu')"
             )
         return device_id
-    raise TypeError(
-        f"replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a torch.device, "
-        f"got {device_id!r} ({type(device_id).__name__}); pass e.g. torch.device('cpu') or 0"
+    # A bool passes the seed's isinstance(int) check (DDP then refuses it as an index): no seed text.
+    seed_text = "" if isinstance(device_id, bool) else f"{seed_device_id_text(device_id)}. "
+    raise DeviceIdError(
+        f"{seed_text}replicate(): device_id must be an int (accelerator index, e.g. LOCAL_RANK) or a "
+        f"torch.device, got {device_id!r} ({type(device_id).__name__}); pass e.g. torch.device('cpu') or 0"
     )
 
 

@@ -1,0 +1,348 @@
+"""DDP's constructor arguments in ``replicate()``'s terms, and DDP's refusals of a module.
+
+Code written against ``DistributedDataParallel``, or against torch's own
+``replicate`` (which passes its keyword arguments through to DDP), calls
+``replicate(model, device_ids=[local_rank], output_device=local_rank, ...)``.
+Every argument of DDP 2.13's signature is accepted here with DDP's meaning,
+mapped onto ours, or refused with the reason and what to write instead
+(the table is in the README's migration section). Refusals happen before any
+collective, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.config import to_device
+from torchreplicate.seed_contract import (
+    DDP_DELAY_PAIR_TEXT,
+    DDP_ONE_DEVICE_TEXT,
+    DDP_UNINITIALIZED_TEXT,
+    ddp_device_types_text,
+)
+
+# DDP 2.13's constructor, after `module`, in order; replicate() has the other
+# names of its signature itself (process_group, bucket_cap_mb, ...).
+DDP_POSITIONAL_ORDER = (
+    "device_ids",
+    "output_device",
+    "dim",
+    "broadcast_buffers",
+    "init_sync",
+    "process_group",
+    "bucket_cap_mb",
+    "find_unused_parameters",
+    "check_reduction",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "delay_all_reduce_named_params",
+    "param_to_hook_all_reduce",
+    "mixed_precision",
+    "device_mesh",
+    "skip_all_reduce_unused_params",
+    "bucket_cap_mb_list",
+    "batched_grad_copy",
+    "forward_sync_buffers",
+)
+
+_CALLER = 5  # warnings point at replicate()'s caller: warn_no_effect, a handler, translate, replicate, caller
+
+
+def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
+    """Warns that a DDP option is accepted for compatibility but changes nothing.
+
+    Args:
+        option: the option's name.
+        value: the value given.
+        why: why it changes nothing.
+        stacklevel: as ``warnings.warn``'s, counted from here. Default 3: the
+            caller of the function that calls this one.
+    """
+    warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)
+
+
+def warn_ddp_only_flags(find_unused_parameters: bool, static_graph: bool) -> None:
+    """Warns about DDP flags that replicate() accepts but does not need (pointing at replicate()'s caller).
+
+    Args:
+        find_unused_parameters: as given to ``replicate()``.
+        static_graph: as given to ``replicate()``.
+    """
+    if find_unused_parameters:
+        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost", stacklevel=4)
+    if static_graph:
+        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps", stacklevel=4)
+
+
+def refuse_positional(positional: tuple[Any, ...]) -> None:
+    """Refuses options given by position, naming the keyword each one should be.
+
+    DDP's second positional argument is ``device_ids``, the seed's is
+    ``ignored_modules``: a positional call is ambiguous, so replicate()'s
+    options are keyword-only.
+
+    Raises:
+        TypeError: naming, for each value, the keyword to write.
+    """
+    if not positional:
+        return
+    fixes = ", ".join(f"{_keyword_for(value)}={_short(value)}" for value in positional)
+    raise TypeError(
+        f"replicate() takes 1 positional argument but {1 + len(positional)} were given: its options are "
+        "keyword-only (DDP's positional order and torch's replicate's differ), so write them by name, "
+        f"e.g. replicate(model, {fixes})"
+    )
+
+
+def _keyword_for(value: object) -> str:
+    # The keyword a positional value most likely meant.
+    if isinstance(value, dist.ProcessGroup):
+        return "process_group"
+    if type(value).__name__ == "DeviceMesh":
+        return "device_mesh"
+    if isinstance(value, (list, tuple, set)) and value and all(isinstance(v, nn.Module) for v in value):
+        return "ignored_modules"
+    if isinstance(value, (list, tuple)):
+        return "device_ids"
+    if isinstance(value, (int, torch.device)) and not isinstance(value, bool):
+        return "device_id"
+    return "<option>"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"<{type(value).__name__}>"
+
+
+def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Applies DDP's keyword arguments to replicate()'s own options, with DDP's meaning.
+
+    Args:
+        module: the model (some arguments are checked against its device).
+        arguments: the DDP-only keyword arguments given to ``replicate()``.
+        options: replicate()'s own values of ``device_id``,
+            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``.
+
+    Returns:
+        ``options``, updated.
+
+    Raises:
+        TypeError: a name DDP does not have either (Python's message first).
+        ValueError: a DDP argument replicate() cannot honour: why, and what
+            to write instead (DDP's own message first where DDP refuses too).
+    """
+    unknown = sorted(set(arguments) - set(_HANDLERS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(_OWN_NAMES) + list(_HANDLERS), n=1)
+        hint = f"; did you mean {close[0]}=?" if close else ""
+        raise TypeError(f"replicate() got an unexpected keyword argument {unknown[0]!r}{hint}")
+    _check_delay_pair(arguments)
+    for name in DDP_POSITIONAL_ORDER:
+        if name in arguments:
+            _HANDLERS[name](arguments[name], options, module)
+    return options
+
+
+def _device_ids(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    # DDP: the one device this process's module lives on -> device_id.
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"replicate(): device_ids must be a list of one device (DDP's spelling), got {value!r}; "
+            f"write device_ids=[{value!r}] or device_id={value!r}"
+        )
+    if len(value) > 1:
+        raise ValueError(
+            f"{DDP_ONE_DEVICE_TEXT} replicate(): one process per device, got device_ids={list(value)}; "
+            "pass device_ids=[local_rank] (or device_id=local_rank) and start one process per device (torchrun)"
+        )
+    given = options["device_id"]
+    if given is not None and to_device(given) != to_device(value[0]):
+        raise ValueError(
+            f"replicate(): device_ids={list(value)} and device_id={given!r} name different devices; "
+            "pass one of them (device_id is replicate()'s spelling)"
+        )
+    options["device_id"] = value[0]
+
+
+def _output_device(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    # DDP (one device per process) returns outputs where the module computes
+    # them: output_device only names that device. Accepted when it does.
+    if value is None:
+        return
+    wanted = to_device(value)
+    device = to_device(options["device_id"]) or _module_device(module)
+    if wanted is not None and not _same_device(wanted, device):
+        raise ValueError(
+            f"replicate(): output_device={value!r} ({wanted}) but the module computes on {device}; outputs "
+            "come back on the module's device (as DDP's, which moves them only in the multi-device mode it "
+            f"no longer supports). Drop output_device, or move them yourself: output.to({str(wanted)!r})"
+        )
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    first = next(module.parameters(), None)
+    return torch.device("cpu") if first is None else first.device
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value != 0:
+        why = (
+            "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "
+            "supports; each rank's forward gets its own inputs unchanged, in DDP as here"
+        )
+        warn_no_effect("dim", value, why, stacklevel=_CALLER)
+
+
+def _init_sync(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    # DDP: False skips the broadcast of parameters and buffers (the caller
+    # vouches that they are equal). Ours keeps each rank's own values instead.
+    if not isinstance(value, bool):
+        raise TypeError(f"replicate(): init_sync must be True or False, got {value!r}")
+    options["init_sync"] = value
+
+
+def _check_reduction(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value:
+        warn_no_effect("check_reduction", value, "DDP deprecated it and ignores it", stacklevel=_CALLER)
+
+
+def _check_delay_pair(arguments: Mapping[str, Any]) -> None:
+    delay = arguments.get("delay_all_reduce_named_params") is not None
+    hook = arguments.get("param_to_hook_all_reduce") is not None
+    if delay != hook:
+        raise ValueError(
+            f"{DDP_DELAY_PAIR_TEXT} replicate(): both are accepted and change nothing (every parameter is "
+            "averaged in bucket order), so the simplest fix is to drop both"
+        )
+
+
+def _delay_all_reduce(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value is not None:
+        why = (
+            "DDP only postpones these parameters' averaging to one all-reduce when another gradient is "
+            "ready; here they are averaged with the rest, in bucket order, to the same result"
+        )
+        warn_no_effect("delay_all_reduce_named_params", "[...]", why, stacklevel=_CALLER)
+
+
+def _param_to_hook(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    pass  # warned about with delay_all_reduce_named_params, its pair (checked in _check_delay_pair)
+
+
+def _mixed_precision(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value is None:
+        return
+    fields = [
+        f"{name}={getattr(value, name)}"
+        for name in ("param_dtype", "reduce_dtype")
+        if getattr(value, name, None) is not None
+    ]
+    raise ValueError(
+        "replicate(): mixed_precision (DDP's private _MixedPrecision) is not supported; pass torch's "
+        f"public policy instead: mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy({', '.join(fields)}) "
+        "(fp32 master weights, compute in param_dtype, reduce in reduce_dtype; buffers stay in their dtype)"
+    )
+
+
+def _skip_unused(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value:
+        why = "DDP skips reducing parameters unused on every rank; the averages are the same here"
+        warn_no_effect("skip_all_reduce_unused_params", value, why, stacklevel=_CALLER)
+
+
+def _bucket_cap_mb_list(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    # DDP: one cap per bucket, in DDP's bucket order. One cap for all maps exactly.
+    if not value:
+        return
+    if len(value) == 1 and options["bucket_cap_mb"] is None:
+        options["bucket_cap_mb"] = value[0]
+        return
+    raise ValueError(
+        f"replicate(): bucket_cap_mb_list={list(value)} (a cap per bucket) is not supported; pass "
+        "bucket_cap_mb= for every bucket and first_bucket_cap_mb= for the first, or leave both to the "
+        "tuner (bucket_cap_mb=None measures the link)"
+    )
+
+
+def _batched_grad_copy(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    if value:
+        why = "gradients are views into their buckets (gradient_as_bucket_view), or copied one bucket at a time"
+        warn_no_effect("batched_grad_copy", value, why, stacklevel=_CALLER)
+
+
+def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    # DDP 2.13's new name for broadcasting buffers before each forward; it
+    # keeps the broadcast at set-up, as replicate(broadcast_buffers=) does.
+    if value is None:
+        return
+    if options["broadcast_buffers"] is not None:
+        warnings.warn(
+            "replicate(): both broadcast_buffers and forward_sync_buffers were given; forward_sync_buffers "
+            "wins (as in DDP)",
+            FutureWarning,
+            stacklevel=_CALLER - 1,
+        )
+    options["broadcast_buffers"] = value
+
+
+_OWN_NAMES = (  # replicate()'s own, for "did you mean"
+    *("broadcast_buffers", "process_group", "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view"),
+    *("static_graph", "device_mesh", "mesh", "device_id", "ignored_modules", "first_bucket_cap_mb", "mp_policy"),
+    *("reduce_dtype", "gradient_divide_factor", "stall_timeout"),
+)
+
+_HANDLERS: dict[str, Callable[[Any, dict[str, Any], nn.Module], None]] = {
+    "device_ids": _device_ids,
+    "output_device": _output_device,
+    "dim": _dim,
+    "init_sync": _init_sync,
+    "check_reduction": _check_reduction,
+    "delay_all_reduce_named_params": _delay_all_reduce,
+    "param_to_hook_all_reduce": _param_to_hook,
+    "mixed_precision": _mixed_precision,
+    "skip_all_reduce_unused_params": _skip_unused,
+    "bucket_cap_mb_list": _bucket_cap_mb_list,
+    "batched_grad_copy": _batched_grad_copy,
+    "forward_sync_buffers": _forward_sync_buffers,
+}
+
+
+def refuse_module(module: nn.Module, ignored: tuple[nn.Module, ...], device_id: Optional[object]) -> None:
+    """DDP's refusals of the module itself, with DDP's type and message first.
+
+    Args:
+        module: the model.
+        ignored: the ignored modules (their parameters are not checked).
+        device_id: replicate()'s ``device_id``; when given, the module is
+            moved there first, so its parameters' devices do not matter.
+
+    Raises:
+        RuntimeError: a parameter is uninitialized (a ``Lazy`` module).
+        ValueError: parameters on more than one device type, no ``device_id``.
+    """
+    skipped = {id(p) for m in ignored for p in m.parameters()}
+    params = [(name, p) for name, p in module.named_parameters() if id(p) not in skipped]
+    for name, param in params:
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                f"{DDP_UNINITIALIZED_TEXT} replicate(): parameter {name!r} is uninitialized (a Lazy module); "
+                "run one forward pass on every rank before replicate(), so that its shape is known"
+            )
+    device_types = {p.device.type for _, p in params}
+    if device_id is None and len(device_types) > 1:
+        raise ValueError(
+            f"{ddp_device_types_text(device_types)} replicate(): move the whole model to one device first "
+            "(model.to(device)), or pass device_id= to have replicate() move it"
+        )
