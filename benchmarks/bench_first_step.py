@@ -18,7 +18,10 @@ rotated each trial.
 Then, untimed, one more start of each engine counts what went on the wire:
 the bytes of every all-reduce and broadcast (torch.profiler's gloo events,
 DDP's included) and, for ours, the bytes the link calibration sent
-(``tuning.measure_link``, [Note: tuning]) and the cap it chose.
+(``tuning.measure_link``, [Note: tuning]) and the cap it chose. Last,
+``--cap-rounds`` times, the calibration runs alternately within each
+model's budget and within none (the sizes every model timed before the
+budget): the caps the two choose on the same link.
 
 Writes ``<out>/first_step.json`` and ``<out>/first_step.md`` and prints the
 table. Timings are reported, never asserted; on a shared machine they are
@@ -28,6 +31,7 @@ noisy: read the medians.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -147,6 +151,21 @@ def counted_start(engine: str, name: str, steps: int) -> dict:
     return record
 
 
+def compare_caps(budgets: dict[str, int], rounds: int) -> dict[str, list[int]]:
+    """The cap each calibration budget chooses on this link, budgets alternated ``rounds`` times.
+
+    ``today`` (an unbounded budget) times the sizes every model sent before
+    the budget existed, so the caps of the two are compared on the same link
+    in the same minutes.
+    """
+    caps: dict[str, list[int]] = {name: [] for name in budgets}
+    for _ in range(rounds):
+        for name, budget in budgets.items():
+            link = tuning.measure_link(dist.group.WORLD, torch.float32, torch.device("cpu"), budget)
+            caps[name].append(tuning.choose_cap(link))
+    return caps
+
+
 def worker(cfg: dict) -> dict:
     """One rank: timed trials of every engine per model, then one counted start each."""
     init_rank()
@@ -162,6 +181,9 @@ def worker(cfg: dict) -> dict:
         counted = {engine: counted_start(engine, name, cfg["steps"]) for engine in ENGINES}
         out["models"][name] = {"times_s": times, "caps": caps, "counted": counted}
         dist.barrier()
+    if cfg["cap_rounds"]:
+        budgets = {"today": 2**62, **{n: m["counted"]["ours"]["grad_bytes"] for n, m in out["models"].items()}}
+        out["cap_comparison"] = compare_caps(budgets, cfg["cap_rounds"])
     dist.destroy_process_group()
     return out
 
@@ -204,6 +226,19 @@ def markdown(report: dict) -> str:
             f"({counted['ours']['calibration_all_reduces']}) "
             f"| {counted['ours']['wire_bytes']:,} / {counted['ddp']['wire_bytes']:,} | {caps} |"
         )
+    caps = report.get("cap_comparison") or {}
+    if caps:
+        lines += [
+            "",
+            f"Caps chosen on this link by a calibration within each budget, alternated {len(caps['today'])} times "
+            "(today: the sizes every model timed before the budget, 4 KiB + 2 MiB + 8 MiB):",
+            "",
+            "| budget | median cap MiB | caps MiB |",
+            "|---|---:|---|",
+        ]
+        for name, values in caps.items():
+            mib = sorted(round(c / 2**20, 2) for c in values)
+            lines.append(f"| {name} | {statistics.median(mib):.2f} | {mib} |")
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +250,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps after wrapping (default 4)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list from {MODELS}")
     parser.add_argument("--no-caps", action="store_true", help="skip the counted start of ours after each trial")
+    parser.add_argument(
+        "--cap-rounds", type=int, default=None, help="rounds of the cap comparison (default 8; quick 2)"
+    )
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
@@ -225,10 +263,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"unknown model {m!r}")
     cfg = {"models": models, "trials": args.trials or (2 if args.quick else 5), "steps": args.steps}
     cfg["caps"] = not args.no_caps
+    cfg["cap_rounds"] = args.cap_rounds if args.cap_rounds is not None else (2 if args.quick else 8)
     started = time.time()
     report: dict[str, Any] = {"config": {**cfg, "quick": args.quick}, "world_size": 2, "env": run_env()}
     out = launch_phase("first steps, 2 ranks", worker, cfg, nprocs=2, timeout_s=args.timeout, tag="bench_first_step")
     report["results"] = aggregate(out, models)
+    report["cap_comparison"] = out[0].get("cap_comparison", {})
     finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "first_step")
     return 0
 
