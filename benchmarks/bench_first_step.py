@@ -154,6 +154,9 @@ def counted_start(engine: str, name: str, steps: int) -> dict:
 def compare_caps(budgets: dict[str, int], rounds: int) -> dict[str, list[int]]:
     """The cap each calibration budget chooses on this link, budgets alternated ``rounds`` times.
 
+    Only the models whose link was measured have a budget here (a model no
+    cap changes is never measured).
+
     ``today`` (an unbounded budget) times the sizes every model sent before
     the budget existed, so the caps of the two are compared on the same link
     in the same minutes.
@@ -182,7 +185,8 @@ def worker(cfg: dict) -> dict:
         out["models"][name] = {"times_s": times, "caps": caps, "counted": counted}
         dist.barrier()
     if cfg["cap_rounds"]:
-        budgets = {"today": 2**62, **{n: m["counted"]["ours"]["grad_bytes"] for n, m in out["models"].items()}}
+        measured = {n: m["counted"]["ours"] for n, m in out["models"].items() if m["counted"]["ours"]["link"]}
+        budgets = {"today": 2**62, **{n: counted["grad_bytes"] for n, counted in measured.items()}}
         out["cap_comparison"] = compare_caps(budgets, cfg["cap_rounds"])
     dist.destroy_process_group()
     return out
