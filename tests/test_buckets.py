@@ -93,3 +93,22 @@ def test_bad_arguments(kwargs, message):
 def test_mismatched_lengths():
     with pytest.raises(ValueError, match="one entry per parameter"):
         plan_buckets([1, 2], [F32], [CPU, CPU])
+
+
+def test_a_layout_the_same_at_both_cap_bounds_is_the_same_at_every_cap_between():
+    # tuning.cap_changes_layout compares only the layouts at MIN_CAP and MAX_CAP
+    import random
+
+    from torchreplicate.reducer.tuning import MAX_CAP, MIN_CAP
+
+    rng = random.Random(0)
+    caps = [int(MIN_CAP * (MAX_CAP / MIN_CAP) ** (i / 60)) for i in range(61)]
+    for _ in range(300):
+        numels = [rng.choice([rng.randint(1, 80_000), rng.randint(1, 5 * MiB)]) for _ in range(rng.randint(1, 8))]
+        first = rng.choice([MIN_CAP // 4, 1 * MiB, 4 * MiB])
+
+        def layout(cap):
+            return [b.param_indices for b in plan(numels, cap_bytes=cap, first_cap_bytes=min(first, cap))]
+
+        if layout(MIN_CAP) == layout(MAX_CAP):
+            assert all(layout(cap) == layout(MIN_CAP) for cap in caps), (numels, first)

@@ -10,7 +10,18 @@ from torch import nn
 
 from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded, sgd_step
 from torchreplicate import replicate
-from torchreplicate.reducer.tuning import MAX_CAP, MIN_CAP, LinkModel, choose_cap, fit_link, readiness_order
+from torchreplicate.reducer.tuning import (
+    CALIBRATION_BYTES,
+    CALIBRATION_REPEATS,
+    MAX_CAP,
+    MIN_CAP,
+    TIMINGS_BYTES,
+    LinkModel,
+    calibration_sizes,
+    choose_cap,
+    fit_link,
+    readiness_order,
+)
 
 DIM = 16
 
@@ -104,7 +115,10 @@ class Chosen(NamedTuple):
 
 
 def skewed_clocks(rank: int, world_size: int) -> Chosen:
-    """Each rank's clock runs at its own speed: the ranks must still choose the same buckets."""
+    """Each rank's clock runs at its own speed: the ranks must still choose the same buckets.
+
+    WideStack: its layout changes with the cap, so the link is measured.
+    """
     import time
 
     from torchreplicate.reducer import tuning
@@ -119,10 +133,12 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
 
     tuning.time = SkewedTime  # type: ignore[assignment]
     try:
-        model = replicate(seeded(OutOfOrder, 1))
-        reference = seeded(OutOfOrder, 1)
+        model = replicate(seeded(WideStack, 1))
+        reference = seeded(WideStack, 1)
         for step in range(2):
-            x = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)]
+            x = [
+                torch.randn(4, WIDE, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world_size)
+            ]
             model(x[rank]).pow(2).mean().backward()  # each rank its own data
             torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
             assert_grads_match(model, reference, f"rank {rank} step {step}")
@@ -133,6 +149,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
     finally:
         tuning.time = time  # type: ignore[assignment]
     reducer = replicate.state(model).reducer
+    assert reducer.layout_policy.link is not None, f"rank {rank}: the link was not measured"
     return Chosen(reducer.layout_policy.cap_bytes, [[s.name for s in b.slots] for b in reducer.buckets])
 
 
@@ -153,7 +170,7 @@ def regime_change(rank: int, world_size: int) -> Regimes:
 
     measured = []
 
-    def fake_measure(group, dtype, device):
+    def fake_measure(group, dtype, device, budget_bytes):
         measured.append(1)
         slow = len(measured) > 1
         return LinkModel(latency_s=0.0003, bytes_per_s=125e6 if slow else 20e9)
@@ -199,3 +216,72 @@ def test_a_regime_change_retunes_the_buckets(pools):
     caps, layouts = results[0]
     assert caps[0] == caps[1] > caps[2], f"no retune at step 3: {caps}"  # measured at steps 1 and 3
     assert layouts[2] > layouts[0], f"the buckets did not follow: {layouts}"
+
+
+@pytest.mark.parametrize("budget", [300_000, 4 * 2**20, 33 * 2**20, 10**9])
+def test_calibration_sends_at_most_its_budget(budget):
+    sizes = calibration_sizes(budget, 4)
+    sent = (CALIBRATION_REPEATS + 1) * 4 * sum(sizes) + TIMINGS_BYTES
+    assert sent <= budget and sizes == sorted(set(sizes)), (budget, sizes, sent)
+    if budget >= (CALIBRATION_REPEATS + 1) * sum(CALIBRATION_BYTES) + TIMINGS_BYTES:
+        assert [4 * n for n in sizes] == list(CALIBRATION_BYTES), sizes  # today's sizes where the model allows
+    else:
+        assert sent > 0.9 * budget, (budget, sent)  # scaled down, not thrown away
+
+
+class Calibrated(NamedTuple):
+    grad_bytes: int
+    measurements: list[int]  # bytes each measurement of the link sent (all-reduces inside measure_link)
+    cap_bytes: int
+
+
+def calibration_traffic(rank: int, world_size: int, model_name: str) -> Calibrated:
+    """Counts what every measurement of the link sends over 7 steps (one retune at 6), with parity."""
+    import torch.distributed as dist
+
+    from torchreplicate.reducer import tuning
+
+    model_class, width = (WideStack, WIDE) if model_name == "wide" else (OutOfOrder, DIM)
+    measurements: list[int] = []
+    measure, all_reduce = tuning.measure_link, dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        measurements[-1] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
+
+    def measuring(*args, **kwargs):
+        measurements.append(0)
+        dist.all_reduce = counting_all_reduce  # only while the link is measured
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            dist.all_reduce = all_reduce
+
+    saved = tuning.RETUNE_EVERY
+    tuning.measure_link, tuning.RETUNE_EVERY = measuring, 6
+    try:
+        model = replicate(seeded(model_class, 1 + rank))
+        reference = seeded(model_class, 1)
+        for step in range(7):
+            x = [torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)]
+            model(x[rank]).pow(2).mean().backward()
+            torch.stack([reference(xr).pow(2).mean() for xr in x]).mean().backward()
+            assert_grads_match(model, reference, f"rank {rank} step {step}")
+            sgd_step(model, reference, lr=0.01)
+            assert_replicas_identical(model, f"rank {rank} after step {step}")
+    finally:
+        tuning.measure_link, tuning.RETUNE_EVERY = measure, saved
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Calibrated(grad_bytes, measurements, replicate.state(model).reducer.layout_policy.cap_bytes)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "wide"])
+def test_calibration_sends_at_most_the_models_gradient_bytes(pools, model_name):
+    results = pools.run(2, calibration_traffic, model_name)
+    assert results[0] == results[1], f"the ranks measured or chose differently: {results}"
+    r = results[0]
+    if model_name == "tiny":  # one bucket at every cap: nothing to measure, then or at the retune
+        assert r.measurements == [], r
+    else:  # the first step and the retune at step 6, each within one step's traffic
+        assert len(r.measurements) == 2 and all(0 < sent <= r.grad_bytes for sent in r.measurements), r
+        assert MIN_CAP <= r.cap_bytes <= MAX_CAP, r

@@ -23,6 +23,14 @@ backward, by every rank at the same point:
   buckets are rebuilt if the cap it gives moved by more than
   ``RETUNE_FACTOR``: a regime change (another network, a busier machine).
 
+The measurement must not cost more than the job. It is skipped where no cap
+in ``[MIN_CAP, MAX_CAP]`` can change the layout (``cap_changes_layout``: a
+model whose gradients fit one bucket at every cap, the usual small model),
+and otherwise it sends at most the model's own gradient bytes, one step's
+worth of traffic (``calibration_sizes``: the sizes scaled down, timings
+included). A cap larger than the model changes nothing, so sizes up to the
+model's are also the ones whose cost decides the choice.
+
 Both go through ``plan_buckets`` to a new bucket layout; slots, learned
 counts and ``.grad`` values carry over. Every rank takes the same decision
 from the same numbers, so the collective sequence stays one.
@@ -37,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.bucket_plan import plan_buckets
+from torchreplicate.reducer.bucket_plan import BucketSpec, plan_buckets
 from torchreplicate.reducer.dtensors import local
 
 MiB = 1024 * 1024
@@ -45,8 +53,9 @@ DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB
-CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed: latency, then bandwidth
+CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed (at most): latency, then bandwidth
 CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, not its best
+TIMINGS_BYTES = 8 * len(CALIBRATION_BYTES)  # the all-reduce of the timings (float64), part of the budget
 RETUNE_EVERY = 1000  # synchronised steps between two measurements of the link
 RETUNE_FACTOR = 2.0  # the cap changes only if the new one differs by more than this
 
@@ -102,13 +111,28 @@ def agree_order(order: Sequence[int], group: dist.ProcessGroup, device: torch.de
     return [int(i) for i in tensor.tolist()]
 
 
+def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
+    """Elements of the all-reduces one measurement times, sending at most ``budget_bytes`` in all; pure.
+
+    ``CALIBRATION_BYTES`` where the budget allows them (each timed
+    ``CALIBRATION_REPEATS`` times after one warm-up, plus the timings'
+    all-reduce), else the same three sizes scaled down alike. At least 1, 2
+    and 3 elements (three distinct points for the fit): over budget only for
+    a model of a few bytes, whose layout no cap changes (never measured).
+    """
+    per_round = (budget_bytes - TIMINGS_BYTES) / (CALIBRATION_REPEATS + 1)
+    scale = min(1.0, max(0.0, per_round / sum(CALIBRATION_BYTES)))
+    return [max(i + 1, int(nbytes * scale) // element_size) for i, nbytes in enumerate(CALIBRATION_BYTES)]
+
+
 @torch.no_grad()
-def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> LinkModel:
-    """Times all-reduces of ``CALIBRATION_BYTES`` on ``group``; the slowest rank's times count."""
+def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, budget_bytes: int) -> LinkModel:
+    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count."""
     element = torch.empty((), dtype=dtype).element_size()
+    sizes = calibration_sizes(budget_bytes, element)
     typical = []
-    for nbytes in CALIBRATION_BYTES:
-        scratch = torch.zeros(max(1, nbytes // element), dtype=dtype, device=device)
+    for numel in sizes:
+        scratch = torch.zeros(numel, dtype=dtype, device=device)
         dist.all_reduce(scratch, group=group)  # warm: connections, allocator
         seconds = []
         for _ in range(CALIBRATION_REPEATS):
@@ -118,7 +142,7 @@ def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.dev
         typical.append(sorted(seconds)[len(seconds) // 2])
     timings = torch.tensor(typical, dtype=torch.float64, device=device)
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
-    return fit_link(CALIBRATION_BYTES, timings.tolist())
+    return fit_link([numel * element for numel in sizes], timings.tolist())
 
 
 class LayoutPolicy:
@@ -147,7 +171,13 @@ class LayoutPolicy:
         self.cap_bytes = DEFAULT_CAP if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
+        self.cap_changes_layout = True  # False once learned that no cap in [MIN_CAP, MAX_CAP] does: never measured
         self.link: Optional[LinkModel] = None  # the fitted link, when measured
+
+    @property
+    def grad_bytes(self) -> int:
+        """The dense gradients' bytes: one step's traffic, the most one measurement of the link sends."""
+        return sum(p.numel() * p.element_size() for p in (local(slot.param) for slot in self.dense))
 
 
 def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) -> list[Bucket]:
@@ -162,16 +192,7 @@ def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) ->
     dense = policy.dense
     if not dense:
         return [Bucket(0, [], torch.float32, device, extra=num_flags)]
-    params = [local(slot.param) for slot in dense]
-    specs = plan_buckets(
-        [p.numel() for p in params],
-        [p.dtype for p in params],
-        [p.device for p in params],
-        order=policy.order,
-        cap_bytes=policy.cap_bytes,
-        first_cap_bytes=policy.first_cap_bytes,
-        groups=policy.groups,
-    )
+    specs = plan_layout(policy, policy.cap_bytes, policy.first_cap_bytes)
     last = len(specs) - 1
     return [
         Bucket(
@@ -183,6 +204,35 @@ def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) ->
         )
         for index, spec in enumerate(specs)
     ]
+
+
+def plan_layout(policy: LayoutPolicy, cap_bytes: int, first_cap_bytes: int) -> list[BucketSpec]:
+    """The buckets ``policy``'s dense slots get in its order, at these caps (``plan_buckets``)."""
+    params = [local(slot.param) for slot in policy.dense]
+    return plan_buckets(
+        [p.numel() for p in params],
+        [p.dtype for p in params],
+        [p.device for p in params],
+        order=policy.order,
+        cap_bytes=cap_bytes,
+        first_cap_bytes=first_cap_bytes,
+        groups=policy.groups,
+    )
+
+
+def cap_changes_layout(policy: LayoutPolicy) -> bool:
+    """Whether any cap ``choose_cap`` can give lays ``policy``'s slots out otherwise than another.
+
+    The layouts at ``MIN_CAP`` and at ``MAX_CAP`` are compared: where they
+    agree, every cap between gives the same one (checked on random plans in
+    test_buckets.py). Pure in the policy: every rank decides alike, without
+    a collective.
+    """
+
+    def layout(cap: int) -> list[tuple[int, ...]]:
+        return [spec.param_indices for spec in plan_layout(policy, cap, min(policy.first_cap_bytes, cap))]
+
+    return layout(MIN_CAP) != layout(MAX_CAP)
 
 
 def learn_layout(
@@ -202,16 +252,22 @@ def learn_layout(
     position = {slot.index: i for i, slot in enumerate(policy.dense)}
     ready = [position[i] for i in first_ready if i in position]
     policy.order = agree_order(readiness_order(ready, len(policy.dense)), group, like.device)
-    if policy.tune_cap:
-        policy.link = measure_link(group, like.dtype, like.device)
+    policy.cap_changes_layout = cap_changes_layout(policy)
+    if policy.tune_cap and policy.cap_changes_layout:
+        policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
         policy.cap_bytes = choose_cap(policy.link)
         policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
     return True
 
 
 def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor) -> bool:
-    """Measures the link again; whether the cap moved enough to rebuild (then ``policy`` holds it)."""
-    link = measure_link(group, like.dtype, like.device)
+    """Measures the link again; whether the cap moved enough to rebuild (then ``policy`` holds it).
+
+    Never measures where no cap changes the layout (``cap_changes_layout``).
+    """
+    if not policy.cap_changes_layout:
+        return False
+    link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
     cap = choose_cap(link)
     if max(cap, policy.cap_bytes) / min(cap, policy.cap_bytes) <= RETUNE_FACTOR:
         return False
