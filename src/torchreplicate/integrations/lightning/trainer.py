@@ -1,0 +1,151 @@
+"""``ReplicateStrategy`` for the Lightning ``Trainer``: DDPStrategy, with ``replicate()`` instead of the DDP wrapper.
+
+Everything but the gradient reduction is Lightning's DDPStrategy: launching,
+process group set-up, samplers, ``barrier``, ``broadcast``, ``reduce`` (and
+so ``self.log(..., sync_dist=True)``), checkpointing. The LightningModule is
+replicated in place, so ``trainer.model`` is the LightningModule itself:
+no ``.module`` to unwrap, the same ``state_dict`` keys.
+
+Limits: DDPStrategy's ``ddp_comm_*`` and ``model_averaging_period`` options
+are not taken (register a comm hook on ``trainer.model`` instead; see the
+README). The module stays replicated after ``fit``: fit a fresh module, or
+the same one with the same strategy object again, not with a new strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator, Literal, Optional
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+
+from torchreplicate.api import replicate
+from torchreplicate.core.registry import find_state
+from torchreplicate.integrations.lightning.options import check_replicate_options, refuse_replicated
+
+log = logging.getLogger(__name__)
+
+NAME = "replicate"  # strategy="replicate"
+
+
+class ReplicateStrategy(DDPStrategy):
+    """Data parallelism for ``Trainer`` with torchreplicate's reducer: ``Trainer(strategy=ReplicateStrategy())``.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io,
+            precision_plugin, process_group_backend, timeout, start_method:
+            as ``lightning.pytorch.strategies.DDPStrategy``'s (the Trainer
+            fills most of them in). ``start_method`` default ``"popen"``.
+        **replicate_options: ``replicate()``'s keyword options
+            (``bucket_cap_mb``, ``broadcast_buffers``, ``reduce_dtype``, ...),
+            checked here on every rank. Not ``device_id``, ``process_group``
+            or a mesh: the strategy sets those.
+
+    Raises:
+        TypeError / ValueError: an unknown option, or a bad value.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[Any]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **replicate_options: Any,
+    ) -> None:
+        self._replicate_options = check_replicate_options(replicate_options, type(self).__name__)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        # the module this strategy replicated: a second fit() with the same Trainer finds it so
+        self._replicated_model: Optional[nn.Module] = None
+
+    @property
+    def replicate_options(self) -> dict[str, Any]:
+        """The options passed to ``replicate()`` (a copy)."""
+        return dict(self._replicate_options)
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # DDPStrategy wraps in DDP
+        if find_state(model) is not None and model is self._replicated_model:
+            return model  # a second fit() with this strategy: already ours
+        refuse_replicated(model, type(self).__name__)
+        log.debug(f"{type(self).__name__}: replicate(model, **{self._replicate_options})")
+        replicate(model, **self._replicate_options)
+        self._replicated_model = model
+        return model
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # DDP's comm-hook options are not taken (see the module docstring)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs ``training_step`` through the module's ``__call__``, as DDPStrategy does through DDP's forward.
+
+        So the forward hooks of ``replicate()`` run before the step (buffer
+        broadcast, re-plan check), however the step calls its layers.
+        """
+        module = self.lightning_module
+        if module is None or find_state(module) is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return call_through_forward(module, "training_step", *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally (gradient accumulation); the Trainer uses it between steps."""
+        module = self.model
+        if module is None or find_state(module) is None:
+            yield
+            return
+        with module.no_sync():  # type: ignore[operator]  # a ReplicateModule method
+            yield
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers the strategy as ``"replicate"`` (done when this module is imported)."""
+        if NAME not in strategy_registry:
+            strategy_registry.register(NAME, cls, description="Data parallel with torchreplicate's replicate()")
+
+
+def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    """``module.<method_name>(*args, **kwargs)``, called through ``module(...)`` so its forward hooks run.
+
+    ``forward`` is replaced on the instance for this one call (Lightning's
+    forward redirection, which DDPStrategy uses with the DDP wrapper) and
+    restored before the method runs, so the method may call ``self(x)``.
+    """
+    own_forward = module.__dict__.get("forward")
+
+    def redirected(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        _restore_forward(module, own_forward)
+        return getattr(module, method_name)(*inner_args, **inner_kwargs)
+
+    module.forward = redirected
+    try:
+        return module(*args, **kwargs)
+    finally:
+        _restore_forward(module, own_forward)
+
+
+def _restore_forward(module: nn.Module, own_forward: Any) -> None:
+    if own_forward is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own_forward
+
+
+ReplicateStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,134 @@
+"""Lightning: ``ReplicateStrategy`` for the Trainer and for Fabric, against Lightning's own ``"ddp"``.
+
+The runs are real Lightning runs on 2 CPU processes, launched once by
+torchrun (Lightning finds torchrun's environment and launches nothing
+itself); tests/lightning_runs.py says what each run does. The model has a
+BatchNorm, trained with gradient accumulation (2 micro-batches a step).
+
+Known difference, not the strategy's: DDP skips its buffer broadcast in the
+forward after a ``no_sync`` forward; replicate() broadcasts before every
+forward with gradients. So under accumulation the BatchNorm running
+statistics of ranks other than 0 differ from DDP's (rank 0's, the ones
+checkpoints hold, are equal; the parameters are bitwise equal everywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the lightning extra: pip install 'torchreplicate[lightning]'")
+
+from torchreplicate.integrations.lightning import FabricReplicateStrategy, ReplicateStrategy  # noqa: E402
+
+HERE = Path(__file__).parent
+RANKS = (0, 1)
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs tests/lightning_runs.py on 2 ranks once; the folder of its results."""
+    out = tmp_path_factory.mktemp("lightning")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*command, str(HERE / "lightning_runs.py"), str(out)], env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, f"the Lightning runs failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return out
+
+
+def load(runs: Path, run: str, rank: int) -> dict[str, Any]:
+    return torch.load(runs / f"{run}.rank{rank}.pt", weights_only=False)
+
+
+def differing(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], *, buffers: bool = True) -> list[str]:
+    """The state_dict entries that are not bitwise equal (the same keys required)."""
+    assert list(ours) == list(theirs), f"different keys: {list(ours)} and {list(theirs)}"
+    keys = [k for k in ours if buffers or not k.endswith(BUFFERS)]
+    return [k for k in keys if not torch.equal(ours[k], theirs[k])]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+@pytest.mark.parametrize("run", ["replicate", "replicate_by_name"])
+def test_bitwise_equal_to_ddp(runs, framework, run):
+    for rank in RANKS:
+        ours, ddp = load(runs, f"{framework}_{run}", rank), load(runs, f"{framework}_ddp", rank)
+        # see the module docstring for rank 1's buffers
+        mismatched = differing(ours["state_dict"], ddp["state_dict"], buffers=rank == 0)
+        assert not mismatched, f"rank {rank}: not bitwise equal to strategy='ddp': {mismatched}"
+        assert ours["strategy"] == "ReplicateStrategy"
+        assert ours["collectives"] == ddp["collectives"], "barrier/broadcast/reduce differ from DDPStrategy's"
+        if framework == "trainer":
+            assert ours["loss"] == ddp["loss"], "the loss logged with sync_dist=True differs"
+            assert ours["model_is_module"], "trainer.model is not the LightningModule itself"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_accumulation_skips_the_sync(runs, framework):
+    # Trainer(accumulate_grad_batches=2) and fabric.no_backward_sync map to no_sync():
+    # the first micro-batch's backward does not sync, the second does
+    for rank in RANKS:
+        flags = load(runs, f"{framework}_replicate", rank)["sync_flags"]
+        assert flags == [False, True] * (len(flags) // 2) and flags, flags
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_checkpoint_resume_equals_an_uninterrupted_run(runs, framework):
+    for rank in RANKS:
+        resumed, whole = load(runs, f"{framework}_replicate_resumed", rank), load(runs, f"{framework}_replicate", rank)
+        mismatched = differing(resumed["state_dict"], whole["state_dict"])
+        assert not mismatched, f"rank {rank}: the resumed run differs from the uninterrupted one: {mismatched}"
+    keys = load(runs, "trainer_replicate_resumed", 0)["checkpoint_keys"]
+    assert keys and not any(k.startswith("module.") for k in keys), keys
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_a_replicated_module_is_refused_on_every_rank(runs, framework):
+    messages = [(runs / f"{framework}_replicated_module.rank{rank}.txt").read_text() for rank in RANKS]
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("RuntimeError: ReplicateStrategy: this ") and "already replicated" in messages[0]
+
+
+@pytest.mark.parametrize("strategy", [ReplicateStrategy, FabricReplicateStrategy])
+def test_options_are_checked_when_the_strategy_is_built(strategy):
+    # the constructor runs on every rank before any process group: every rank raises alike
+    with pytest.raises(
+        TypeError, match=r"unknown option bucket_cap=; it takes replicate\(\)'s options: .*bucket_cap_mb"
+    ):
+        strategy(bucket_cap=25)
+    with pytest.raises(TypeError, match="device_id= is not accepted: the strategy moves the module to its device"):
+        strategy(device_id=0)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+        strategy(bucket_cap_mb=-1)
+    with pytest.raises(TypeError, match="reduce_dtype must be a floating torch.dtype"):
+        strategy(reduce_dtype=torch.int8)
+    assert strategy(bucket_cap_mb=5, broadcast_buffers=False).replicate_options == {
+        "bucket_cap_mb": 5,
+        "broadcast_buffers": False,
+    }
+
+
+def test_registered_by_name():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry.get("replicate").__class__ is ReplicateStrategy
+    assert STRATEGY_REGISTRY.get("replicate").__class__ is FabricReplicateStrategy
+
+
+def test_import_torchreplicate_does_not_import_lightning():
+    code = "import sys, torchreplicate; assert 'lightning' not in sys.modules, 'lightning imported'"
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
