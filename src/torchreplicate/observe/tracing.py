@@ -231,7 +231,11 @@ class Tracer:
                 plot_trace(ranks, self.plot_path)
                 self.written.append(self.plot_path)
             except ImportError:  # stacklevel 3: the `with` statement, as if warned from __exit__
-                warnings.warn("trace(): matplotlib is not installed, so no plot was written", stacklevel=3)
+                warnings.warn(
+                    "trace(): matplotlib is not installed, so no plot was written; "
+                    'pip install "torchreplicate[plot]" (or plot=False)',
+                    stacklevel=3,
+                )
         num_steps = max((len(r.exposed_ms) for r in ranks), default=0)
         logger.info(
             "torchreplicate: trace of %d synchronised step(s) on %d rank(s): %s (open the JSON in "
