@@ -116,7 +116,9 @@ def _settled(raw: dict[str, Any]) -> bool:
     return bool(raw["failed"] or raw["left"])  # its last note: no heartbeat follows
 
 
-def roll_call(store: Any, rank: int, world_size: int, period: float, host: str, namespace: str) -> list[Note]:
+def roll_call(
+    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Any = None
+) -> list[Note]:
     """Every rank's note, each settled (failed, left, ended, alive) or silent for two periods.
 
     Args:
@@ -126,6 +128,8 @@ def roll_call(store: Any, rank: int, world_size: int, period: float, host: str, 
         period: the heartbeat period in seconds.
         host: this host's name (``socket.gethostname()``).
         namespace: this process's pid namespace (``pid_namespace()``).
+        place: ``(phase, step)`` of the reading rank: an alive rank elsewhere is
+            watched the two periods (it may arrive late), not just until it beats.
     """
     keys = [note_key(r) for r in range(world_size)]
     first = [json.loads(value) for value in store.multi_get(keys)]
@@ -138,7 +142,13 @@ def roll_call(store: Any, rank: int, world_size: int, period: float, host: str, 
         for r, value in zip(waiting, store.multi_get([keys[r] for r in waiting]), strict=True):
             latest[r] = json.loads(value)
             ended[r] = _ended_here(latest[r], host, namespace)
-        moved = [r for r in waiting if latest[r]["beat"] != first[r]["beat"] or _settled(latest[r]) or ended[r]]
+        moved = [
+            r
+            for r in waiting
+            if (latest[r]["beat"] != first[r]["beat"] and place in (None, (latest[r]["phase"], latest[r]["step"])))
+            or _settled(latest[r])
+            or ended[r]
+        ]
         waiting = [r for r in waiting if r not in moved]
     notes = []
     for r, raw in enumerate(latest):
@@ -154,20 +164,22 @@ def _note(rank: int, raw: dict[str, Any], beats: int, alive: bool, ended: bool) 
     )  # fmt: skip
 
 
-def gather_notes(store: Any, rank: int, world_size: int, period: float, host: str, namespace: str) -> list[Note]:
+def gather_notes(
+    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Any = None
+) -> list[Note]:
     """The roll call, done once for the group: claim it and publish it, or read what the claimer published.
 
     Arguments as ``roll_call``; see [Note: roll call]. Raises what the store
     raises when it does not answer.
     """
     if store.add(CLAIM_KEY, 1) == 1:
-        notes = roll_call(store, rank, world_size, period, host, namespace)
+        notes = roll_call(store, rank, world_size, period, host, namespace, place)
         store.set(VERDICT_KEY, encode_notes(notes))
         return notes
     try:
         store.wait([VERDICT_KEY], timedelta(seconds=2 * period + VERDICT_GRACE_S))
     except RuntimeError:  # the claimer is gone or stuck: read for ourselves
-        return roll_call(store, rank, world_size, period, host, namespace)
+        return roll_call(store, rank, world_size, period, host, namespace, place)
     return decode_notes(store.get(VERDICT_KEY))
 
 
