@@ -147,10 +147,12 @@ class StallWatch:
         cause = f"waited more than {self.timeout_s:g} s" if timed_out else "failed: a peer's connection broke"
         head = f"replicate(): rank {self.rank}: {what} {cause}"
         try:
+            # First this rank's own note, where it failed: a survivor that gathers
+            # the roll call reads it there now, not a heartbeat late (or as gone).
+            self.failed = True
+            self._beat()
             place = (self.phase, self.step)
             notes = gather_notes(self._store, self.rank, self.world_size, self.period, self.host, self.namespace, place)
-            self.failed = True
-            self._beat()  # a last note: the others read "stopped after an error", not "gone"
         except Exception as store_error:  # the store lived in a rank that is gone
             self.stop()
             return RuntimeError(
