@@ -353,7 +353,8 @@ class ReplicateState:
             watch = self.probe.watch = StallWatch(
                 self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}"
             )
-            weakref.finalize(self, watch.stop)
+            # released: a last note; at interpreter exit the watch's own hook says "exited" instead
+            weakref.finalize(self, watch.leave, "released its replica").atexit = False
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self.build_reducer(learned)
 

@@ -15,18 +15,27 @@ print gloo's text with no rank, step or parameter. Three pieces fix that:
   once.
 - The main thread notes where it is (``StallWatch.at``: forward, backward,
   bucket k, finalize, and the step), a few attribute writes per step.
-- A heartbeat thread copies that note into the process group's own store
-  every ``period`` seconds, with a counter it increments. It adds no
-  collective, runs off the hot path, and stops with the process group, at
-  interpreter exit (a thread inside a store call at exit aborts the process)
-  and when a collective failed.
+- A heartbeat thread copies that note, with a counter it increments, into
+  the process group's own store every ``period`` seconds: one ``set`` (a
+  one-way message), no collective, off the hot path. It stops with the
+  process group, when a collective failed, and at interpreter exit (a
+  thread inside a store call at exit aborts the process), and then leaves a
+  last note saying that the rank left and after how many synchronised
+  backwards.
 
-When a reducer collective fails (timeout or closed connection), the rank
-reads every rank's note twice, two periods apart: a rank whose counter did
-not move is gone (or frozen); a rank whose note differs from its own is
-elsewhere, and the note says where and for how long. The error names them
-all, and keeps gloo's text as its cause. No clocks are compared across
-hosts: each rank measures durations with its own clock.
+When a reducer collective fails (timeout or closed connection), the group
+reads every rank's note once ([Note: roll call] in roll_call.py): a rank
+that left or failed says so; a rank on this host whose process ended is
+named at once; a rank whose counter did not move for two periods is gone
+(or frozen); a rank whose note differs from this one's is elsewhere, and
+the note says where and for how long. The error names them all, and keeps
+gloo's text as its cause. No clocks are compared across hosts: each rank
+measures durations with its own clock.
+
+The period is a sixth of the stall timeout, between 0.2 and 1.5 s, so a
+peer on another host is named within 3 s; at more than 600 ranks it grows
+with the world size, so that the heartbeats stay under 400 a second (1% of
+what one TCPStore served on a loaded 2-core machine, benchmarks/bench_watchdog.py).
 """
 
 from __future__ import annotations
@@ -39,35 +48,31 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from torchreplicate.reducer.roll_call import (
+    Note,
+    describe_notes,
+    gather_notes,
+    note_key,
+    pid_namespace,
+    start_time,
+)
 
-class Note(NamedTuple):
-    """Where a rank said it was, read from the store.
+__all__ = ["MAX_BEATS_PER_S", "Note", "StallWatch", "describe_notes", "heartbeat_period"]
 
-    Attributes:
-        rank: the group rank.
-        phase: what it was doing ("forward", "backward", "bucket 0", "finalize", "idle", ...).
-        step: synchronised backwards it had completed.
-        seconds: how long it had been in that phase, by its own clock, when it wrote.
-        failed: it had given up after a failed collective (its heartbeat stopped then).
-        host: its host name.
-        pid: its process id.
-        beats: its heartbeat counter, at the first read.
-        alive: whether its counter moved between two reads.
+MAX_BEATS_PER_S = 400.0  # heartbeats of a whole group per second, at most (see the Note)
+
+
+def heartbeat_period(timeout_s: float, world_size: int) -> float:
+    """Seconds between two heartbeats of one rank (pure: tested alone).
+
+    Args:
+        timeout_s: ``stall_timeout`` in seconds.
+        world_size: ranks in the group.
     """
-
-    rank: int
-    phase: str
-    step: int
-    seconds: float
-    failed: bool
-    host: str
-    pid: int
-    beats: int
-    alive: bool
+    return max(min(1.5, max(0.2, timeout_s / 6)), world_size / MAX_BEATS_PER_S)
 
 
 class StallWatch:
@@ -83,14 +88,21 @@ class StallWatch:
         # - Configuration
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)  # per-operation timeout of every reducer collective
-        self.period = min(5.0, max(0.2, timeout_s / 6))  # heartbeat period
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats
         # - Where this rank is: written by the main thread, read by the heartbeat thread
         self.phase = "set-up"
-        self.step = 0
+        self.step = 0  # synchronised backwards completed
         self.entered = time.monotonic()
         self.failed = False
+        self.left = ""  # how this rank stopped watching ("exited", ...): its last note says so
+        # - Who this rank is: a peer on this host checks the process itself
+        self.host = socket.gethostname()
+        self.namespace = pid_namespace()
+        self.pid = os.getpid()
+        self.started = start_time(self.pid)  # tells a reused pid apart
+        self.beats = 0  # heartbeat counter, in every note
         # - The store: a clone of the group's, so the heartbeat never waits
         #   behind the main thread's store calls; short timeouts
         base = group.get_group_store().clone()  # type: ignore[attr-defined]  # pybind, missing from the stubs
@@ -98,10 +110,10 @@ class StallWatch:
         self._store = dist.PrefixStore(f"torchreplicate/{key}/", base)
         self._group_ref = weakref.ref(group)  # stop with the process group
         self._stop = threading.Event()
-        self._beat()  # both keys exist before any rank may read them
+        self._beat()  # the note exists before any rank may read it
         self._thread = threading.Thread(target=self._run, name=f"torchreplicate-heartbeat-{key}", daemon=True)
         self._thread.start()
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        atexit.register(_leave_at_exit, weakref.ref(self))
 
     def at(self, phase: str, step: int) -> None:
         """Notes where this rank is now (main thread; a few attribute writes)."""
@@ -115,19 +127,32 @@ class StallWatch:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
+    def leave(self, how: str) -> None:
+        """Stops the heartbeat and leaves a last note: this rank ``how`` (e.g. "exited"), and its step."""
+        self.stop()
+        if self.failed or self.left:
+            return  # its last note is written already
+        self.left = how
+        try:
+            self._beat()
+        except Exception:  # the store is gone: nobody is left to read the note
+            pass
+
     def diagnose(self, what: str, error: BaseException) -> RuntimeError:
         """The error to raise when ``what`` (a collective) failed with ``error``.
 
-        Reads every rank's note twice (about two heartbeat periods apart),
-        then stops the heartbeat.
+        Reads every rank's note ([Note: roll call] in roll_call.py), then stops the heartbeat.
         """
         timed_out = "Timed out" in str(error) or "timed out" in str(error)
         cause = f"waited more than {self.timeout_s:g} s" if timed_out else "failed: a peer's connection broke"
         head = f"replicate(): rank {self.rank}: {what} {cause}"
         try:
-            notes = self._read_notes()
+            # First this rank's own note, where it failed: a survivor that gathers
+            # the roll call reads it there now, not a heartbeat late (or as gone).
             self.failed = True
-            self._beat()  # a last note: the others read "stopped after an error", not "gone"
+            self._beat()
+            place = (self.phase, self.step)
+            notes = gather_notes(self._store, self.rank, self.world_size, self.period, self.host, self.namespace, place)
         except Exception as store_error:  # the store lived in a rank that is gone
             self.stop()
             return RuntimeError(
@@ -135,6 +160,7 @@ class StallWatch:
                 f"{type(store_error).__name__}: {str(store_error).splitlines()[0]}). gloo said: {error}"
             )
         self.stop()
+        notes[self.rank] = self._own_note()  # a published roll call may be older than this rank's failure
         return RuntimeError(f"{head}. {describe_notes(notes, self.rank, 2 * self.period)}")
 
     # -- the heartbeat thread -----------------------------------------------
@@ -142,6 +168,7 @@ class StallWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             if self._group_ref() is None:  # destroy_process_group(): nothing to watch
+                self.leave("destroyed its process group")
                 return
             try:
                 self._beat()
@@ -149,76 +176,27 @@ class StallWatch:
                 return
 
     def _beat(self) -> None:
+        self.beats += 1
         note = {
             "phase": self.phase,
             "step": self.step,
             "seconds": round(time.monotonic() - self.entered, 3),
             "failed": self.failed,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            "left": self.left,
+            "host": self.host,
+            "ns": self.namespace,
+            "pid": self.pid,
+            "start": self.started,
+            "beat": self.beats,
         }
-        self._store.set(f"note/{self.rank}", json.dumps(note))
-        self._store.add(f"beat/{self.rank}", 1)  # a round trip: a dead store shows up here
+        self._store.set(note_key(self.rank), json.dumps(note))  # one one-way message
 
-    def _read_notes(self) -> list[Note]:
-        ranks = range(self.world_size)
-        first = [self._store.add(f"beat/{r}", 0) for r in ranks]
-        time.sleep(2 * self.period + 0.05)
-        second = [self._store.add(f"beat/{r}", 0) for r in ranks]
-        raw = self._store.multi_get([f"note/{r}" for r in ranks])
-        notes = []
-        for r in ranks:
-            note: dict[str, Any] = json.loads(raw[r])
-            alive = second[r] != first[r] or r == self.rank
-            notes.append(
-                Note(
-                    r,
-                    note["phase"],
-                    note["step"],
-                    note["seconds"],
-                    note["failed"],
-                    note["host"],
-                    note["pid"],
-                    first[r],
-                    alive,
-                )
-            )
-        return notes
+    def _own_note(self) -> Note:
+        seconds = time.monotonic() - self.entered
+        return Note(self.rank, self.phase, self.step, seconds, True, self.host, self.pid, self.beats, True)
 
 
-def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
-    """Who is where, as a sentence for the error (pure: tested alone).
-
-    Args:
-        notes: every rank's note, by rank.
-        this_rank: the rank raising.
-        silence_s: how long a gone rank's heartbeat was watched without moving.
-    """
-    mine = notes[this_rank]
-    # waiting where this rank waits (or having given up there, like this rank)
-    with_me = [n.rank for n in notes if (n.alive or n.failed) and (n.phase, n.step) == (mine.phase, mine.step)]
-    with_me = sorted({*with_me, this_rank})
-    parts = []
-    for note in notes:
-        if note.rank in with_me:
-            continue
-        if note.failed:
-            parts.append(f"rank {note.rank} stopped after an error in {note.phase} of step {note.step}")
-        elif not note.alive:
-            parts.append(
-                f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, sent no heartbeat "
-                f"in {silence_s:.1f} s; its last report, at most one heartbeat old, was {note.phase} of "
-                f"step {note.step})"
-            )
-        else:
-            parts.append(f"rank {note.rank} has been in {note.phase} of step {note.step} for {note.seconds:.0f} s")
-    waiting = ", ".join(str(r) for r in with_me)
-    label = "rank {} waits" if len(with_me) == 1 else "ranks {} wait"
-    parts.append(f"{label.format(waiting)} in {mine.phase} of step {mine.step}")
-    return "; ".join(parts)
-
-
-def _stop_at_exit(ref: weakref.ref[StallWatch]) -> None:
+def _leave_at_exit(ref: weakref.ref[StallWatch]) -> None:
     watch = ref()
     if watch is not None:
-        watch.stop()
+        watch.leave("exited")
