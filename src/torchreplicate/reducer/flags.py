@@ -20,6 +20,12 @@ when all ranks share that residue, so "all ranks agree" is exact in any wire
 dtype (sums of ones up to the world size), and values that differ by less
 than the product of the moduli (2310) always disagree somewhere. A mismatch
 raises on every rank after one more agreed collective that names the ranks.
+
+A Join ([Note: join] in core/join.py) is the one place where the clocks
+differ legitimately: a joined rank shadows steps it does not take. Its end
+is an agreed point (every rank runs ``post_hook``), where every clock is
+re-based to the highest (``TrainingClock.catch_up``): the joined rank counts
+the steps it shadowed, and the check stays armed for what follows.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ class TrainingClock:
         """Counts an optimizer step if it holds one of the module's parameters."""
         if not self.param_ids.isdisjoint(optimizer_param_ids):
             self.steps += 1
+
+    def catch_up(self, steps: int) -> None:
+        """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
+        assert steps >= self.steps, (steps, self.steps)
+        self.steps = steps
 
 
 class FlagSums(NamedTuple):
