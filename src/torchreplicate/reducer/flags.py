@@ -84,6 +84,15 @@ def num_flags(num_params: int) -> int:
     return num_params + 1 + 2 * _RESIDUE_WIDTH
 
 
+def real_view(tail: torch.Tensor) -> torch.Tensor:
+    """The flags as real numbers: a complex bucket's tail carries them in its real parts.
+
+    The imaginary parts stay zero (the buffer starts zeroed and every rank
+    writes only real parts), so the flags' sums read the same in any dtype.
+    """
+    return torch.view_as_real(tail)[..., 0] if tail.is_complex() else tail
+
+
 def one_hot_residues(value: int) -> list[float]:
     """``value`` as one-hot residue blocks, one per modulus in ``MODULI``."""
     out: list[float] = []
@@ -121,15 +130,16 @@ class StepFlags:
 
     def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
         assert tail.numel() == num_flags(num_params), (tail.numel(), num_params)
-        self.tail = tail  # a view into the last bucket's wire, or the hook path's own tensor
+        # a view into the last bucket's wire (its real parts if complex), or the hook path's own tensor
+        self.tail = real_view(tail)
         self.num_params = num_params
         self.clock = clock
         # An ordinary step: a gradient for every parameter, nothing late; the
         # clock's residues are written at each step, the layout's once here.
-        self.ordinary = torch.ones_like(tail)
+        self.ordinary = torch.ones_like(self.tail)
         self.ordinary[num_params:] = 0
         layout_at = num_params + 1 + _RESIDUE_WIDTH
-        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=tail.dtype)
+        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=self.tail.dtype)
         self._clock_cache: tuple[int, torch.Tensor] = (-1, self.ordinary)  # (clock, ordinary with its residues)
 
     def write(self, unused_here: Sequence[int], late: bool) -> None:
