@@ -168,3 +168,59 @@ def test_throw_on_early_termination_raises_on_every_rank(pools, counts):
             assert r.error == "Detected at least one rank that exhausted inputs. Throwing across all ranks.", (
                 f"rank {rank}: {r}"
             )
+
+
+def epochs(rank: int, world_size: int, counts: list[list[int]], engine: str) -> str:
+    """Several Join blocks (epochs) with uneven inputs, then a plain step; the parameters' digest."""
+    torch.manual_seed(3 + rank if engine == "ours" else 3)  # ours broadcasts rank 0's; DDP starts equal
+    model = _net()
+    run: nn.Module = replicate(model) if engine == "ours" else DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    joinable: object = model if engine == "ours" else run
+    for epoch, epoch_counts in enumerate(counts):
+        with joinable.join():  # type: ignore[attr-defined]
+            for step in range(epoch_counts[rank]):
+                _forward(run, model, data(rank, 10 * epoch + step)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    _forward(run, model, data(rank, 999)).pow(2).mean().backward()  # a plain step after the last Join
+    optimizer.step()
+    assert_replicas_identical(model, f"rank {rank} {engine} after {len(counts)} epochs")
+    return digest(model)
+
+
+EPOCHS = [[3, 5], [5, 2], [4, 4], [0, 3]]
+
+
+def test_epochs_of_uneven_inputs_train_as_ddp_under_join_bitwise(pools):
+    """Each Join's end re-bases the training clocks: no false desync, DDP's weights bit for bit."""
+    ours = pools.run(2, epochs, EPOCHS, "ours", timeout_s=90)
+    ddp = pools.run(2, epochs, EPOCHS, "ddp", timeout_s=90)
+    assert ours == ddp, f"after {len(EPOCHS)} uneven epochs: ours {ours}, DDP {ddp}"
+
+
+def desync_after_join(rank: int, world_size: int) -> str:
+    """A Join with uneven inputs, then rank 1 takes an extra optimizer step: a real desync."""
+    model = replicate(seeded(_net, 3 + rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range([3, 5][rank]):
+            _forward(model, model, data(rank, step)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    if rank == 1:
+        optimizer.step()  # no gradients: only the clock moves
+    try:
+        _forward(model, model, data(rank, 99)).pow(2).mean().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_real_desync_after_a_join_still_raises_on_every_rank(pools):
+    messages = pools.run(2, desync_after_join, timeout_s=90)
+    for rank, message in enumerate(messages):
+        assert message.startswith(
+            f"replicate(): rank {rank}: synchronised backward 5: the ranks are at different "
+            "training steps (rank 1 at step 6, rank 0 at step 5;"
+        ), f"rank {rank}: {message}"

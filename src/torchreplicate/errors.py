@@ -176,6 +176,15 @@ def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
     )
 
 
+def complex_wire_error(slot: ParamSlot, wire_dtype: torch.dtype) -> ValueError:
+    """The refusal of a complex gradient that would travel in a real wire dtype (the imaginary part lost)."""
+    return ValueError(
+        f"replicate(): parameter {slot.name!r} is complex ({slot.dtype}), and its gradient cannot travel in "
+        f"reduce_dtype={wire_dtype}: a real dtype drops the imaginary part. Drop reduce_dtype (or the "
+        "mp_policy's reduce_dtype), or pass the module that holds the parameter in ignored_modules"
+    )
+
+
 def warn_create_graph() -> None:
     """Warns that backward(create_graph=True) averages values, not graphs (once per process: one call site)."""
     warnings.warn(

@@ -21,7 +21,9 @@ zero too, so desync detection ignores it). The divisor is the initial world
 size (joined ranks count as zeros) or, with
 ``divide_by_initial_world_size=False``, the number of ranks still training.
 At the end, ``post_hook`` broadcasts parameters and buffers from the last
-rank to join, so every replica ends the same, and turns the round off.
+rank to join, so every replica ends the same, re-bases every rank's training
+clock to the highest (a joined rank did not step the steps it shadowed:
+[Note: desync detection] in flags.py), and turns the round off.
 
 Limits: gradient sync is read at forward under join (not at backward); a
 collective in the user's forward (SyncBatchNorm, tensor parallel) cannot be
@@ -113,14 +115,21 @@ class ReplicateJoinHook(JoinHook):
             state.reducer.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters and buffers of the last rank to join."""
+        """Every rank takes the parameters, buffers and training clock of the last rank to join."""
         state = self.state
         group = state.group
-        mark = torch.tensor([float(dist.get_rank(group) if is_last_joiner else -1)], device=state.collective_device())
+        # one MAX all-reduce: the last joiner's rank, and the highest training clock
+        mark = torch.tensor(
+            [float(dist.get_rank(group) if is_last_joiner else -1), float(state.clock.steps)],
+            dtype=torch.float64,  # exact clocks up to 2**53 steps
+            device=state.collective_device(),
+        )
         dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
+        source, steps = (int(x) for x in mark.tolist())
         tensors: list[Any] = [local(p).detach() for p in state.plan.candidates] + state.plan.buffer_values()
         if tensors:
-            broadcast_coalesced(tensors, group, src_rank=int(mark.item()))
+            broadcast_coalesced(tensors, group, src_rank=source)
+        state.clock.catch_up(steps)
         end_join(state)
 
 

@@ -5,7 +5,8 @@ What ``replicate()`` replicates can change after it ran: a layer frozen or
 unfrozen (staged fine-tuning), a layer added or swapped (model surgery),
 parameters replaced by ``load_state_dict(assign=True)``, ``fully_shard``
 applied to a child, ``model.double()`` / ``model.to(...)``, torch's
-optimizer-in-backward applied to parameters. Walking the module tree every
+optimizer-in-backward applied to parameters, a lazy module materialised
+(lazy.py: its own hook re-plans, the stamp does not see it). Walking the module tree every
 forward costs ~0.5 ms for 256 parameters, so each forward compares a stamp
 (``ReplicateState.stamp``) instead:
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, join, nested
+from torchreplicate.core import forward_hooks, join, lazy, nested
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
@@ -78,6 +78,7 @@ class ReplicateState:
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
+        self.lazy = lazy.LazyModules()  # lazy modules left out of the plan until they materialise
         self._num_conversions = 0  # ReplicateModule._apply calls (.to(), .double(), ...)
         # - Reduction. How gradients are reduced (from the options, or a
         #   registered comm hook) and whether they are: kept here, so every
@@ -282,6 +283,7 @@ class ReplicateState:
         self._group = self._given_group or WeakGroup(world)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
+        self._handles += self.lazy.watch(self)  # planned as they materialise ([Note: lazy modules])
         plan = self._make_plan()
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
@@ -301,7 +303,7 @@ class ReplicateState:
         self.planned_stamp = self.stamp()
         module = self.module
         nested.refuse_inside_fully_shard(module)
-        skipped = list(self.config.ignored_modules)
+        skipped = list(self.config.ignored_modules) + self.lazy.modules()
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
         return make_plan(module, skipped, nested.nest_inner(self))
 

@@ -20,6 +20,12 @@ when all ranks share that residue, so "all ranks agree" is exact in any wire
 dtype (sums of ones up to the world size), and values that differ by less
 than the product of the moduli (2310) always disagree somewhere. A mismatch
 raises on every rank after one more agreed collective that names the ranks.
+
+A Join ([Note: join] in core/join.py) is the one place where the clocks
+differ legitimately: a joined rank shadows steps it does not take. Its end
+is an agreed point (every rank runs ``post_hook``), where every clock is
+re-based to the highest (``TrainingClock.catch_up``): the joined rank counts
+the steps it shadowed, and the check stays armed for what follows.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ class TrainingClock:
         if not self.param_ids.isdisjoint(optimizer_param_ids):
             self.steps += 1
 
+    def catch_up(self, steps: int) -> None:
+        """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
+        assert steps >= self.steps, (steps, self.steps)
+        self.steps = steps
+
 
 class FlagSums(NamedTuple):
     """What the summed flags say, the same on every rank.
@@ -71,6 +82,15 @@ class FlagSums(NamedTuple):
 def num_flags(num_params: int) -> int:
     """How many elements the flags of ``num_params`` parameters take."""
     return num_params + 1 + 2 * _RESIDUE_WIDTH
+
+
+def real_view(tail: torch.Tensor) -> torch.Tensor:
+    """The flags as real numbers: a complex bucket's tail carries them in its real parts.
+
+    The imaginary parts stay zero (the buffer starts zeroed and every rank
+    writes only real parts), so the flags' sums read the same in any dtype.
+    """
+    return torch.view_as_real(tail)[..., 0] if tail.is_complex() else tail
 
 
 def one_hot_residues(value: int) -> list[float]:
@@ -110,15 +130,16 @@ class StepFlags:
 
     def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
         assert tail.numel() == num_flags(num_params), (tail.numel(), num_params)
-        self.tail = tail  # a view into the last bucket's wire, or the hook path's own tensor
+        # a view into the last bucket's wire (its real parts if complex), or the hook path's own tensor
+        self.tail = real_view(tail)
         self.num_params = num_params
         self.clock = clock
         # An ordinary step: a gradient for every parameter, nothing late; the
         # clock's residues are written at each step, the layout's once here.
-        self.ordinary = torch.ones_like(tail)
+        self.ordinary = torch.ones_like(self.tail)
         self.ordinary[num_params:] = 0
         layout_at = num_params + 1 + _RESIDUE_WIDTH
-        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=tail.dtype)
+        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=self.tail.dtype)
         self._clock_cache: tuple[int, torch.Tensor] = (-1, self.ordinary)  # (clock, ordinary with its residues)
 
     def write(self, unused_here: Sequence[int], late: bool) -> None:

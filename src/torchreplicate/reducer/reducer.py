@@ -61,7 +61,7 @@ from torchreplicate.reducer.bucket import (
 )
 from torchreplicate.reducer.collectives import WeakGroup, all_reduce, is_transport_error
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags
+from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
@@ -350,7 +350,7 @@ class Reducer:
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
-        sums = self.reduction.shadow(self.buckets, num_flags(len(self.slots)))
+        sums = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
         if sums[len(self.slots)].item() > 0:  # a late round somewhere
             for bucket in self.buckets:
                 all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.timeout)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate.errors import complex_wire_error
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.collectives import WeakGroup, all_reduce
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
@@ -146,9 +147,12 @@ class AllReduce(Reduction):
             buffer = bucket.buffer
             wire = buffer
             if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
+                if buffer.is_complex():
+                    raise complex_wire_error(bucket.slots[0], self.reduce_dtype)
                 wire = torch.zeros(buffer.numel(), dtype=self.reduce_dtype, device=buffer.device)
             self.wires.append(wire)
-            math_dtype = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+            # real even for a complex bucket: a complex times a real scale is exact per part
+            math_dtype = torch.float64 if buffer.dtype in (torch.float64, torch.complex128) else torch.float32
             self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype, device=buffer.device))
         last = buckets[-1]
         return self.wires[-1][last.numel : last.numel + num_flags]
@@ -231,6 +235,11 @@ class AllReduce(Reduction):
             bucket.grads.copy_(wire[: bucket.numel])
 
 
+def real_parts(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (``torch.view_as_real``); any other as it is."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
 class _HookCall(NamedTuple):
     future: Any  # what the hook returned: a torch future (duck-typed)
     grad_bucket: GradBucket  # what the hook was handed
@@ -255,6 +264,13 @@ class HookReduction(Reduction):
     size doesn't match"). So the hook of bucket ``k`` is called only once
     bucket ``k - 1``'s future is complete; bucket ``k``'s communication still
     overlaps the backward computation that produces bucket ``k + 1``.
+
+    [Note: complex buckets and comm hooks]
+    A hook sees a complex bucket as real: its buffer and gradients are
+    ``torch.view_as_real`` views (real and imaginary parts interleaved,
+    twice the elements), so every stock hook averages, compresses or
+    factorises both parts alike, and none drops the imaginary part (a real
+    cast of a complex tensor does, with only a warning).
 
     Args:
         state: the hook's first argument.
@@ -294,9 +310,9 @@ class HookReduction(Reduction):
             grad_bucket = GradBucket(
                 bucket.index,
                 bucket.index == len(buckets) - 1,
-                zeros,
+                real_parts(zeros).view(-1),
                 [s.param for s in bucket.slots],
-                bucket.views_of(zeros),
+                [real_parts(view) for view in bucket.views_of(zeros)],
             )
             future = self.hook(self.state, grad_bucket)
         if future is not None:
@@ -314,12 +330,12 @@ class HookReduction(Reduction):
     def launch(self, bucket: Bucket, step: StepState) -> None:
         if bucket.index > 0:
             step.in_flight[bucket.index - 1].future.wait()  # [Note: hooks run one bucket at a time]
-        grad_bucket = GradBucket(
+        grad_bucket = GradBucket(  # complex as real: [Note: complex buckets and comm hooks]
             bucket.index,
             bucket.index == len(self._buckets) - 1,
-            bucket.grads,
+            real_parts(bucket.grads).view(-1),
             [slot.param for slot in bucket.slots],
-            [slot.view for slot in bucket.slots],
+            [real_parts(slot.view) for slot in bucket.slots],
         )
         future = self.hook(self.state, grad_bucket)
         # Duck-typed: Work.get_future() and Future.then() return torch's C++
@@ -334,8 +350,9 @@ class HookReduction(Reduction):
     def wait(self, bucket: Bucket, step: StepState) -> None:
         call, step.in_flight[bucket.index] = step.in_flight[bucket.index], None
         result = hook_result(call.future.wait(), call.grad_bucket)
-        if result.data_ptr() != bucket.grads.data_ptr() or result.dtype != bucket.grads.dtype:
-            bucket.grads.copy_(result.reshape(-1))
+        grads = real_parts(bucket.grads).view(-1)  # what the hook was handed
+        if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
+            grads.copy_(result.reshape(-1))
 
     def reduce_flags(self) -> None:
         assert self.weak_group is not None, "bind() comes first"
