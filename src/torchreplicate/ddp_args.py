@@ -23,7 +23,6 @@ from torchreplicate.config import to_device
 from torchreplicate.seed_contract import (
     DDP_DELAY_PAIR_TEXT,
     DDP_ONE_DEVICE_TEXT,
-    DDP_UNINITIALIZED_TEXT,
     ddp_device_types_text,
 )
 
@@ -328,18 +327,17 @@ def refuse_module(module: nn.Module, ignored: tuple[nn.Module, ...], device_id: 
         device_id: replicate()'s ``device_id``; when given, the module is
             moved there first, so its parameters' devices do not matter.
 
+    DDP also refuses uninitialized (``Lazy``) parameters; ours takes them in
+    at their first forward (core/lazy.py), so they are not checked here.
+
     Raises:
-        RuntimeError: a parameter is uninitialized (a ``Lazy`` module).
         ValueError: parameters on more than one device type, no ``device_id``.
     """
     skipped = {id(p) for m in ignored for p in m.parameters()}
-    params = [(name, p) for name, p in module.named_parameters() if id(p) not in skipped]
-    for name, param in params:
-        if isinstance(param, nn.parameter.UninitializedParameter):
-            raise RuntimeError(
-                f"{DDP_UNINITIALIZED_TEXT} replicate(): parameter {name!r} is uninitialized (a Lazy module); "
-                "run one forward pass on every rank before replicate(), so that its shape is known"
-            )
+    uninitialized = nn.parameter.UninitializedParameter
+    params = [
+        (name, p) for name, p in module.named_parameters() if id(p) not in skipped and not isinstance(p, uninitialized)
+    ]
     device_types = {p.device.type for _, p in params}
     if device_id is None and len(device_types) > 1:
         raise ValueError(

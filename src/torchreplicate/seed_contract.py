@@ -65,10 +65,6 @@ def not_iterable_text(value: object) -> str:
 DDP_BOTH_GROUPS_TEXT = "Cannot specify both process_group and device_mesh arguments."
 DDP_ONE_DEVICE_TEXT = "device_ids can only be None or contain a single element."
 DDP_DELAY_PAIR_TEXT = "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
-DDP_UNINITIALIZED_TEXT = (
-    "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
-    "Run a dummy forward pass to correctly initialize the modules"
-)
 
 
 def ddp_mesh_dims_text(mesh: Any) -> str:
