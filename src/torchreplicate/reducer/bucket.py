@@ -103,6 +103,7 @@ class Bucket:
         names = [repr(slot.name) for slot in self.slots]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
+        self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
 
     @property
     def numel(self) -> int:

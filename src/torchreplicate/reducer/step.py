@@ -104,8 +104,7 @@ class StepState:
 
     def num_absorbed(self, bucket: Bucket) -> int:
         """How many of ``bucket``'s slots hold their contribution in the absorbed form."""
-        absorbed = self.absorbed
-        return sum(1 for slot in bucket.slots if absorbed[slot.index])
+        return sum(map(self.absorbed.__getitem__, bucket.indices))  # C-level: once per launch
 
 
 def end_backward(reducer: Reducer, step: StepState) -> bool:
