@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv if needed, then lints (ruff), type-checks src/ (mypy), checks
-# the import contracts (import-linter) and runs the whole test suite. Extra arguments go to pytest.
+# Sets up .venv if needed, then lints (ruff), type-checks src/ and tools/hostnet (mypy), checks
+# the import contracts (import-linter) and runs the whole test suite. Extra
+# arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
