@@ -9,6 +9,7 @@ ours refuses too). Runs on 2 gloo ranks; every rank checks its own result.
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -101,9 +102,16 @@ def build(rank: int, per_rank_init: bool) -> nn.Module:
     return MLP()
 
 
-def one_step(model: nn.Module, rank: int) -> list[torch.Tensor]:
+def one_step(model: nn.Module, rank: int, settle: bool = False) -> list[torch.Tensor]:
     torch.manual_seed(100 + rank)  # each rank its own slice
     model(torch.randn(4, 32)).square().sum().backward()
+    if settle:
+        # DDP 2.13 launches the delayed parameters' all-reduce with async_op=True and
+        # never waits for it (distributed.py, _delayed_all_reduce_hook): its .grad is
+        # final only once that collective is done. A barrier queues behind it; the
+        # sleep covers gloo running the two on different threads.
+        dist.barrier()
+        time.sleep(0.5)
     return [t.detach().clone() for p in model.parameters() for t in (p, p.grad)]
 
 
@@ -112,7 +120,9 @@ def construct(api: Callable[..., Any], rank: int, row: Row) -> tuple[Optional[Ex
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return None, one_step(api(model, **row.arguments(model)), rank)
+            arguments = row.arguments(model)
+            settle = api is DDP and "param_to_hook_all_reduce" in arguments
+            return None, one_step(api(model, **arguments), rank, settle)
     except Exception as error:  # what each side raises, at set-up or in the first step, is the point here
         return error, []
 
