@@ -45,7 +45,7 @@ from benchlib.engines import build_engine
 from benchlib.memory import MEMORY_ENV, MEMORY_METHOD, aggregate_memory, memory_worker
 from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record
-from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
+from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_env
 from benchlib.rounds import run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_tensor_difference_us
 
@@ -294,10 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in MODEL_NAMES:
-            parser.error(f"unknown model {m!r}")
+    models = comma_choices(parser, args.models, MODEL_NAMES)
     quick = args.quick
     rounds = args.rounds or (4 if quick else 40)
     cfg = {

@@ -52,7 +52,7 @@ from benchlib.collectives import count_wire
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record
-from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
+from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio
 from torchreplicate import replicate
@@ -233,14 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
 
-    models = [m for m in args.models.split(",") if m]
-    unused = [u for u in args.unused.split(",") if u]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}")
-    for u in unused:
-        if u not in UNUSED:
-            parser.error(f"unknown --unused {u!r}")
+    models = comma_choices(parser, args.models, MODELS)
+    unused = comma_choices(parser, args.unused, UNUSED, what="--unused")
     quick = args.quick
     cfg = {
         "models": models,

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from benchlib.ranks import init_rank, launch_phase, rank_record
-from benchlib.report import RESULTS_DIR, finish_report, run_env
+from benchlib.report import RESULTS_DIR, comma_choices, finish_report, run_env
 from benchlib.stats import summarize
 from torchreplicate import replicate
 from torchreplicate.reducer import tuning
@@ -261,10 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}")
+    models = comma_choices(parser, args.models, MODELS)
     cfg = {"models": models, "trials": args.trials or (2 if args.quick else 5), "steps": args.steps}
     cfg["caps"] = not args.no_caps
     cfg["cap_rounds"] = args.cap_rounds if args.cap_rounds is not None else (2 if args.quick else 8)

@@ -65,7 +65,7 @@ from benchlib.engines import Engine, build_engine
 from benchlib.hosts import hosts_available, launch_on_hosts
 from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, build_model, loss_of, make_batch
 from benchlib.ranks import init_rank, rank_record
-from benchlib.report import RESULTS_DIR, MiB, finish_report, run_env
+from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, summarize
 from benchlib.timeline import bucket_wire_bytes, summarize_trace, trace_steps
@@ -433,10 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     quick = args.quick
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in MODEL_NAMES:
-            parser.error(f"unknown model {m!r}; expected some of {MODEL_NAMES}")
+    models = comma_choices(parser, args.models, MODEL_NAMES)
     rates = [r for r in (args.rates or ("1gbit" if quick else "1gbit,10gbit")).split(",") if r]
     for rate in rates:
         try:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record
-from benchlib.report import RESULTS_DIR, finish_report, run_env
+from benchlib.report import RESULTS_DIR, comma_choices, finish_report, run_env
 from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_round_ratios
 from torchreplicate import log_summary, replicate, trace, verify_replicas
@@ -200,10 +200,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
     parser.add_argument("--timeout", type=float, default=900, help="launch timeout in seconds")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in MODELS:
-            parser.error(f"unknown model {m!r}")
+    models = comma_choices(parser, args.models, MODELS)
     quick = args.quick
     cfg = {
         "models": models,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -119,3 +120,15 @@ def write_report(report: dict, table: str, out_dir: str, name: str) -> str:
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(table)
     return json_path
+
+
+def comma_choices(parser: argparse.ArgumentParser, text: str, allowed: Sequence[str], what: str = "model") -> list[str]:
+    """A command line's comma list (``--models mlp,gpt``), each name checked against ``allowed``.
+
+    Exits through ``parser.error`` on an unknown name, naming the ones allowed.
+    """
+    names = [name for name in text.split(",") if name]
+    for name in names:
+        if name not in allowed:
+            parser.error(f"unknown {what} {name!r}; expected some of {', '.join(allowed)}")
+    return names
