@@ -24,6 +24,9 @@ side by side in interleaved rounds (``benchlib.rounds.run_rounds``):
 - ``ddp_bf16``: DDP defaults with torch's stock ``bf16_compress_hook``;
 - ``allreduce``: one gloo all-reduce of ``ours``' wire bytes per step and
   nothing else: what the link and gloo deliver, measured;
+- ``fwd_ar_opt``: a forward, ONE all-reduce of all the gradient bytes and
+  the optimizer step, on its own model copy (the transfer with nothing
+  hidden under it);
 - with ``--extra-caps 4,8``: ``ours_cap4``, ``ours_cap8``, ``replicate()``
   with ``bucket_cap_mb`` 4 and 8 (what smaller buckets buy; off by default).
 
@@ -32,7 +35,10 @@ the bytes per rank one step hands to all-reduce. A ring all-reduce on 2
 ranks sends S bytes per rank each way (S/2 reduce-scatter + S/2 all-gather),
 so the link needs at least ``comm = 8 S / rate``. The gradient of the first
 bucket exists only after the forward, so ``floor = fwd + comm``; ``local``
-is the other lower bound (compute alone). After the rounds, untimed, a few
+is the other lower bound (compute alone). The **measured floor**, per round,
+is the longer of ``local`` and ``fwd_ar_opt``, both timed in the same round
+on the same link: backward can hide entirely under the transfer, or the
+transfer under backward, but not both. After the rounds, untimed, a few
 steps of every communicating engine are traced (``benchlib.timeline``): when
 the forward ends, when ``backward()`` returns, and for ours when each bucket
 launches and is waited for (the library's step timeline), which splits
@@ -72,7 +78,7 @@ from benchlib.timeline import bucket_wire_bytes, summarize_trace, trace_steps
 from hostnet import parse_rate
 from torchreplicate import replicate
 
-ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16", "allreduce")
+ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16", "allreduce", "fwd_ar_opt")
 TRACED = ("ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16")  # the engines that communicate through a model
 RATIO_PAIRS = (
     ("ours", "ddp"),
@@ -94,6 +100,7 @@ METHOD = {
     "floor_ms": "fwd + comm: the forward (and loss) of the local model, which no gradient communication can overlap, plus comm; per round: that round's fwd block + comm",
     "ratio_to_floor": "per round: engine block / (fwd block of the same round + comm); median, quartiles, min, max",
     "timeline": "untimed traced steps after the rounds (benchlib.timeline): ms from the step's start, median over steps, per rank; ours' marks from torchreplicate.timeline.subscribe (one StepRecord per step)",
+    "measured_floor_ms": "per round: max(local block, fwd_ar_opt block), both timed in that round: the longer of the local step and a forward + ONE all-reduce of all gradient bytes + the optimizer step; ratio = median of per-round engine / measured floor",
     "line_rate_done_ms": "when the last bucket would be through the link at the nominal rate had each bucket started at its launch (one link, buckets in order)",
 }
 
@@ -112,6 +119,26 @@ class ForwardOnly:
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = batch
         loss_of(self.model_name, self.module(x), y)  # the graph is built, as in training, then dropped
+
+
+class ForwardAllReduceStep:
+    """A forward, one all-reduce of every gradient byte, and the optimizer step: the measured floor's comm side."""
+
+    def __init__(self, model_name: str) -> None:
+        torch.manual_seed(0)
+        self.model_name = model_name
+        self.module = build_model(model_name)
+        params = list(self.module.parameters())
+        self.flat = torch.ones(sum(p.numel() for p in params))
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer = torch.optim.SGD(params, lr=1e-4)
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        loss_of(self.model_name, self.module(x), y)
+        dist.all_reduce(self.flat)
+        self.optimizer.step()
 
 
 class AllReduceOnly:
@@ -159,6 +186,7 @@ def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
     raw = build_model(model_name)
     engines["ours_bf16"] = Engine("ours_bf16", model_name, replicate(raw, reduce_dtype=torch.bfloat16), raw)
     engines["allreduce"] = AllReduceOnly(engines["ours"].reducer.wire_bytes())
+    engines["fwd_ar_opt"] = ForwardAllReduceStep(model_name)
     ordered = {kind: engines[kind] for kind in ENGINES}
     for cap in extra_caps:
         torch.manual_seed(0)
@@ -236,6 +264,12 @@ def aggregate(rank_outputs: list[dict], rate: str, extra_caps: list[float]) -> d
             for kind in ("ours", "ddp", "ddp_gbv", *extras) if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
                 per = [e / (f + comm_ms) for e, f in zip(engines[kind]["per_round_ms"], fwd_rounds)]
                 result["ratios"][f"{kind}/floor"] = {**summarize(per), "per_round": per}
+        # the measured floor: per round, the longer of the local step and fwd + one all-reduce + optimizer
+        measured = [max(a, b) for a, b in zip(engines["local"]["per_round_ms"], engines["fwd_ar_opt"]["per_round_ms"])]
+        floors["measured_ms"] = statistics.median(measured)
+        for kind in ("ours", "ddp", "ddp_gbv", *extras):
+            per = [e / f for e, f in zip(engines[kind]["per_round_ms"], measured)]
+            result["ratios"][f"{kind}/measured_floor"] = {**summarize(per), "per_round": per}
         result["floors"] = floors
         result["wire_bytes"] = wire
         result["timeline"] = {f"rank{r['rank']}": r["models"][model_name]["timeline"] for r in rank_outputs}
@@ -252,11 +286,13 @@ def markdown_tables(report: dict) -> str:
         "**Two hosts, one gloo rank each, 1 thread** (step time = median over rounds of block time / K, slowest rank; "
         "ratio = median of per-round ratios [IQR] (min-max); S = `reducer.wire_bytes()` per rank and step; "
         "comm = 8 S / rate (a 2-rank ring all-reduce sends S per rank); floor = fwd + comm; "
-        "all-reduce = one gloo all-reduce of S bytes alone, measured)",
+        "all-reduce = one gloo all-reduce of S bytes alone, measured; measured floor = per round max(local, "
+        "fwd + ONE all-reduce of all gradient bytes + optimizer step), both timed in the round)",
         "",
         "| model | rate | S MiB | local ms | fwd ms | comm ms | floor ms | all-reduce ms | DDP ms | DDP-gbv ms | ours ms "
-        "| ours/DDP | ours/DDP-gbv | ours/floor | DDP-gbv/floor | ours/local |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours/DDP | ours/DDP-gbv | ours/floor | DDP-gbv/floor | ours/local "
+        "| fwd+AR+opt ms | measured floor ms | **ours/measured floor** | DDP/measured floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate, name, m in rows:
         e, f, r = m["engines"], m["floors"], m["ratios"]
@@ -265,7 +301,9 @@ def markdown_tables(report: dict) -> str:
             f"| {_ms(e, 'local')} | {_ms(e, 'fwd')} | {f['fp32']['comm_ms']:.1f} | {f['fp32']['floor_ms']:.1f} "
             f"| {_ms(e, 'allreduce')} | {_ms(e, 'ddp')} | {_ms(e, 'ddp_gbv')} | {_ms(e, 'ours')} "
             f"| **{fmt_ratio(r.get('ours/ddp'))}** | {fmt_ratio(r.get('ours/ddp_gbv'))} "
-            f"| {fmt_ratio(r.get('ours/floor'))} | {_med(r.get('ddp_gbv/floor'))} | {_med(r.get('ours/local'))} |"
+            f"| {fmt_ratio(r.get('ours/floor'))} | {_med(r.get('ddp_gbv/floor'))} | {_med(r.get('ours/local'))} "
+            f"| {_ms(e, 'fwd_ar_opt')} | {f.get('measured_ms', float('nan')):.1f} "
+            f"| **{fmt_ratio(r.get('ours/measured_floor'))}** | {fmt_ratio(r.get('ddp/measured_floor'))} |"
         )
     lines += [
         "",

@@ -66,6 +66,7 @@ class ForwardHooks:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Runs after every forward of the root; returns the (cast) output."""
         state = self.state
+        state.tied.end()
         if state.nested:
             return output  # nested replicate: the enclosing module does this work
         if state.mixed is not None:
@@ -98,6 +99,7 @@ def sync_before_forward(state: ReplicateState) -> None:
     if state.stamp() != state.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
         state.replan_if_changed()
     broadcast_buffers_from(state, buffer_source)
+    state.tied.begin(state.reducer, state.sync.on)
 
 
 def broadcast_buffers_from(state: ReplicateState, source: int) -> None:

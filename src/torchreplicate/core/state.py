@@ -23,6 +23,7 @@ from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
 from torchreplicate.core.registry import registration_count
+from torchreplicate.core.tied import TiedUses, to_split
 from torchreplicate.reducer.collectives import (
     WeakGroup,
     broadcast_coalesced,
@@ -86,6 +87,7 @@ class ReplicateState:
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
+        self.tied = TiedUses()  # tied parameters' first use detached ([Note: tied parameters]), per plan
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
@@ -199,6 +201,7 @@ class ReplicateState:
         self._handles.clear()
         if self.mixed is not None:
             self.mixed.remove()
+        self.tied.remove()
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -359,6 +362,7 @@ class ReplicateState:
             weakref.finalize(self, watch.leave, "released its replica").atexit = False
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
             self.reducer = self.build_reducer(learned)
+        self.tied.install(self.module, self.reducer)
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
         """A reducer for the current plan, with this module's options (what a re-plan builds).
@@ -381,6 +385,7 @@ class ReplicateState:
             clock=self.clock,
             probe=self.probe,
             sparse=self.plan.sparse,
+            tied=to_split(self.module, self.plan, self.reduction, self.mixed is not None),
             groups=self.plan.param_groups,
             learned=learned,
         )

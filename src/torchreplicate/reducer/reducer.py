@@ -63,6 +63,7 @@ from torchreplicate.reducer.collectives import WeakGroup, all_reduce, is_transpo
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.grad_layout import GradLayout
+from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
 from torchreplicate.reducer.sparse import SparseGrads
@@ -94,6 +95,8 @@ class Reducer:
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
         sparse: identities of the parameters with sparse gradients (sparse.py).
+        tied: identities of the parameters whose detached uses are reduced by
+            rows ([Note: tied parameters] in late_uses.py).
         groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
         learned: what the previous reducer of the module learned (a re-plan).
 
@@ -115,6 +118,7 @@ class Reducer:
         clock: TrainingClock,
         probe: Probe,
         sparse: frozenset[int] = frozenset(),
+        tied: frozenset[int] = frozenset(),
         groups: Optional[Sequence[int]] = None,
         learned: Optional[Learned] = None,
     ) -> None:
@@ -126,6 +130,7 @@ class Reducer:
         self.slots = make_slots(params, names, learned.expected)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
+        self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied])
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
@@ -177,6 +182,8 @@ class Reducer:
         wire = self.reduction.wire_bytes(self.buckets)
         if late:
             wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
+        if self.late_uses.slots:
+            wire += self.late_uses.mask_bytes()  # and the rows some rank touched
         return wire
 
     # -- set-up ----------------------------------------------------------------
@@ -200,6 +207,7 @@ class Reducer:
             )
         weak_group = self._weak_group
         self.reduction = reduction
+        self.late_uses = LateUses(())  # a comm hook sees each parameter's whole gradient in its bucket
         self.flags = self._bind(reduction, self.flags.clock, weak_group)
 
     def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
@@ -290,6 +298,24 @@ class Reducer:
             if pending[index] == 0:
                 self._launch_ready(step)
 
+    @torch.no_grad()
+    def detached_use(self, index: int, grad: torch.Tensor) -> None:
+        """The gradient of a tied parameter's detached use ([Note: tied parameters] in late_uses.py).
+
+        Kept for the end of backward's rows round; with gradient sync off
+        (``no_sync``), accumulated into ``.grad`` as the use itself would have been.
+        """
+        if self.sync.on:
+            self.late_uses.keep(index, grad)
+            return
+        slot = self.slots[index]
+        param = slot.param
+        if param.grad is None:
+            param.grad = grad.detach()
+        else:
+            param.grad.add_(grad)
+        self.layout.keep_local(slot)
+
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
         if not self.sync.on:
@@ -355,6 +381,8 @@ class Reducer:
             for bucket in self.buckets:
                 all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.timeout)
         self.sparse.shadow(self.group, self.probe.timeout)
+        if self.late_uses.slots:
+            self.late_uses.shadow(self.group, self.probe.timeout)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self.step = StepState(len(self.slots), self.buckets)

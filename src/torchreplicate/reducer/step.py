@@ -8,7 +8,8 @@ parameter and per bucket; the reducer replaces it at the end of each step
 (torch_internals.queue_end_of_backward_callback): it launches every bucket the
 hooks did not (the last with the flags), waits for all, reads the summed
 flags, points ``.grad`` at the averages, runs the late round if any rank had
-a late gradient and reduces sparse gradients. It reads the reducer and
+a late gradient, reduces sparse gradients and adds the tied parameters'
+detached uses ([Note: tied parameters] in late_uses.py). It reads the reducer and
 changes only the step and ``.grad``; the reducer then learns what the step
 taught (firing counts, launch order, bucket cap) and steps torch's
 optimizer-in-backward on the average (``step_in_backward_optimizers``).
@@ -130,6 +131,10 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     if reducer.sparse.slots:
         probe.at("sparse gradients", reducer.num_steps)
         reducer.sparse.reduce(reducer.group, reducer.reduction.divide_factor, sums.unused_everywhere, timeout)
+    if reducer.late_uses.slots:
+        probe.at("the tied parameters' rows", reducer.num_steps)
+        with probe.span("tied_rows"):
+            reducer.late_uses.reduce(reducer.group, reducer.reduction.divide_factor, timeout)
     return sums.any_late
 
 

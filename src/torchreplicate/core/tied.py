@@ -1,0 +1,166 @@
+"""The forward side of tied parameters: the first module to use one gets a detached copy.
+
+[Note: tied parameters] in reducer/late_uses.py says why. Here: every module
+that holds a tied parameter (two or more modules hold it, in their
+``_parameters``) gets a forward pre-hook and an always-run forward hook. In a
+forward of the root with gradients enabled, before a synchronised backward,
+the first such module called gets, for the length of its forward, a detached
+copy in ``_parameters`` (set directly, as mixed_precision.py does, so no
+registration hook runs); the gradient of the copy goes to the reducer's
+``LateUses``. The modules called after it use the parameter itself, so its
+``.grad`` is complete once their backward is done, early in backward.
+
+Not detached (the parameter is then reduced whole, in its bucket, as any
+other): under compiled autograd or while Dynamo traces the module, outside a
+forward of the root (a method other than ``forward``, a checkpointed block
+recomputed in backward), with gradient sync off (``no_sync``), or when the
+module's parameter was replaced since the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchreplicate.core.plan import Plan
+from torchreplicate.reducer.dtensors import is_dtensor
+from torchreplicate.reducer.reducer import Reducer
+from torchreplicate.reducer.reduction import AllReduce, Reduction
+from torchreplicate.torch_internals import compiled_autograd_enabled, parameters_of
+
+
+def tied_params(root: nn.Module, params: tuple[nn.Parameter, ...]) -> dict[int, list[tuple[nn.Module, str]]]:
+    """The parameters of ``params`` that two or more modules of ``root`` hold, by identity, with their holders."""
+    wanted = {id(p) for p in params}
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for name, param in parameters_of(module).items():
+            if param is not None and id(param) in wanted:
+                holders.setdefault(id(param), []).append((module, name))
+    return {key: found for key, found in holders.items() if len(found) > 1}
+
+
+def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> frozenset[int]:
+    """The tied parameters whose detached uses are reduced by rows, by identity.
+
+    None under mixed precision (its casts own ``_parameters`` in the forward),
+    a comm hook or a wire dtype (the hook or the cast sees each gradient whole,
+    in its bucket); never a sparse, DTensor or nested module's parameter.
+    """
+    if mixed or not isinstance(reduction, AllReduce) or reduction.reduce_dtype is not None:
+        return frozenset()
+    params = tuple(
+        p
+        for p, group in zip(plan.params, plan.param_groups or (0,) * len(plan.params), strict=True)
+        if group == 0 and id(p) not in plan.sparse and not is_dtensor(p)
+    )
+    return frozenset(tied_params(root, params))
+
+
+class TiedUses:
+    """The hooks of one replicated module's tied parameters; re-installed at every re-plan."""
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+        self.reducer: Optional[Reducer] = None  # the reducer of the forward in progress
+        self.active = False  # inside a forward of the root that detaches
+        # per tied parameter (by identity) in this forward: the module given the
+        # detached copy, and the copy
+        self.detached: dict[int, tuple[nn.Module, torch.Tensor]] = {}
+
+    def install(self, root: nn.Module, reducer: Optional[Reducer]) -> None:
+        """Hooks every module holding one of ``reducer``'s tied parameters."""
+        self.remove()
+        if reducer is None or not reducer.late_uses.slots:
+            return
+        index_of = {id(slot.param): slot.index for slot in reducer.late_uses.slots}
+        holders = tied_params(root, tuple(slot.param for slot in reducer.late_uses.slots))
+        by_module: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = {}
+        for key, found in holders.items():
+            for module, name in found:
+                param = parameters_of(module)[name]
+                assert param is not None
+                by_module.setdefault(id(module), (module, []))[1].append((name, param, index_of[key]))
+        for module, uses in by_module.values():
+            hook = _HolderHook(self, uses)
+            self._handles.append(module.register_forward_pre_hook(hook.before))
+            self._handles.append(module.register_forward_hook(hook.after, always_call=True))
+
+    def remove(self) -> None:
+        """Removes every hook it installed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.reducer = None
+        self.active = False
+        self.detached.clear()
+
+    def begin(self, reducer: Optional[Reducer], syncs: bool) -> None:
+        """The root's forward starts (gradients enabled); ``syncs``: its backward will be synchronised."""
+        self.detached.clear()
+        self.reducer = reducer
+        # a comm hook registered since the plan leaves the reducer no tied slots
+        self.active = bool(
+            self._handles
+            and syncs
+            and reducer is not None
+            and reducer.late_uses.slots
+            and not compiled_autograd_enabled()
+        )
+
+    def end(self) -> None:
+        """The root's forward ended."""
+        self.active = False
+
+
+class _HolderHook:
+    # One holder module's tied parameters: (name, parameter, slot index).
+    __slots__ = ("uses", "owner", "restore")
+
+    def __init__(self, owner: Optional[TiedUses], uses: list[tuple[str, nn.Parameter, int]]) -> None:
+        self.owner = owner
+        self.uses = uses
+        self.restore: list[list[tuple[str, nn.Parameter]]] = []  # a stack: a module may call itself
+
+    def __reduce__(self) -> Any:
+        # A copy or pickle of the module (without replicate(): api.py) keeps an inert hook.
+        return (_HolderHook, (None, []))
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        owner = self.owner
+        swapped: list[tuple[str, nn.Parameter]] = []
+        self.restore.append(swapped)
+        if owner is None or not owner.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        reducer = owner.reducer
+        assert reducer is not None
+        params = parameters_of(module)
+        for name, param, index in self.uses:
+            if params.get(name) is not param:
+                continue  # replaced since the plan: the next forward re-plans
+            holder, copy = owner.detached.get(id(param), (None, None))
+            if holder is None:
+                copy = param.detach().requires_grad_()
+                copy.register_post_accumulate_grad_hook(functools.partial(_arrived, reducer, index))
+                owner.detached[id(param)] = (module, copy)
+            elif holder is not module:
+                continue  # a later holder: uses the parameter itself
+            assert copy is not None
+            params[name] = copy  # a plain tensor for the forward only
+            swapped.append((name, param))
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        params = parameters_of(module)
+        for name, param in self.restore.pop():
+            params[name] = param
+
+
+def _arrived(reducer: Reducer, index: int, copy: torch.Tensor) -> None:
+    grad = copy.grad
+    if grad is not None:
+        copy.grad = None
+        reducer.detached_use(index, grad)

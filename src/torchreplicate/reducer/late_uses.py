@@ -1,0 +1,121 @@
+"""Tied parameters: the use whose gradient comes last is reduced on its own, by rows.
+
+[Note: tied parameters]
+A parameter held by two modules (a GPT's token embedding, tied to its output
+projection) accumulates one ``.grad`` per backward, complete only after its
+last use's gradient: the embedding lookup's, at the very end of backward. Its
+bucket, often the largest (8 MiB for a 8192 x 256 table), would leave only
+after backward, and the link would idle until then (measured: 59 ms of launch
+delay on a 6-layer GPT at 1 Gbit, benchmarks/results/net.md).
+
+So the forward hands the first module that uses it (the one whose gradient
+comes last) a detached copy of the parameter (core/tied.py). The parameter's
+own ``.grad`` then holds the other uses' part, ready early: its bucket leaves
+during backward like any other. The detached use's gradient is kept here and
+reduced at the end of backward in one more agreed round: a mask of the rows
+any rank's gradient touched (one all-reduce of one int per row), then only
+those rows, added to the reduced ``.grad``. A lookup touches the rows of the
+batch's tokens, so the round sends little; a dense detached use sends all
+rows, which is what the bucket would have sent.
+
+Exact: averaging is linear, so the mean of the two parts is the mean of their
+sum. Only the rounding differs from one all-reduce of the sum (the parts are
+added after the collective, not before), the same on every rank, so the
+replicas stay bitwise equal. Every rank runs the round at every synchronised
+backward, zeros where it holds nothing, so the collective sequence stays one
+([Note: one collective sequence] in reducer.py); a rank that joined runs it
+too (``shadow``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchreplicate.reducer.bucket import ParamSlot
+from torchreplicate.reducer.collectives import all_reduce
+
+
+class LateUses:
+    """The reducer's tied parameters and the gradients of their detached uses.
+
+    Args:
+        slots: the slots of the tied parameters ([Note: tied parameters]).
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot]) -> None:
+        self.slots = list(slots)
+        self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
+
+    def keep(self, index: int, grad: torch.Tensor) -> None:
+        """Adds a detached use's gradient of slot ``index`` to what the next round reduces."""
+        kept = self.kept.get(index)
+        self.kept[index] = grad.detach() if kept is None else kept + grad.detach()
+
+    def mask_bytes(self) -> int:
+        """Bytes of the rows mask each round all-reduces."""
+        return 4 * sum(_num_rows(slot.param) for slot in self.slots)
+
+    @torch.no_grad()
+    def reduce(self, group: dist.ProcessGroup, divide_factor: float, timeout: Optional[timedelta] = None) -> None:
+        """Adds the mean of every rank's detached uses' gradients to the reduced ``.grad``, by rows.
+
+        Called on every rank at the end of a synchronised backward, after the
+        buckets (step.py). Rows no rank touched are not sent.
+        """
+        kept, self.kept = self.kept, {}
+        rows = self._agree_rows(group, timeout, kept)
+        for slot, picked in zip(self.slots, rows, strict=True):
+            if picked.numel() == 0:
+                continue
+            param = slot.param
+            grad = kept.get(slot.index)
+            if grad is None:
+                mean = param.new_zeros((picked.numel(), *_row_shape(param)))
+            else:
+                mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
+            all_reduce(mean, group, timeout)  # scaled on the way in, as the buckets ([Note: the mean ...])
+            if param.grad is None:  # used only through the detached use, on every rank
+                param.grad = torch.zeros_like(param)
+            _add_rows(param.grad, picked, mean)
+
+    @torch.no_grad()
+    def shadow(self, group: dist.ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+        """A joined rank's part (join.py): the same collectives, zeros."""
+        for slot, picked in zip(self.slots, self._agree_rows(group, timeout, {}), strict=True):
+            if picked.numel():
+                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), group, timeout)
+
+    def _agree_rows(
+        self, group: dist.ProcessGroup, timeout: Optional[timedelta], kept: dict[int, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        # Per slot, the rows some rank's kept gradient touched (ascending), the same on every rank.
+        sizes = [_num_rows(slot.param) for slot in self.slots]
+        mask = torch.zeros(sum(sizes), dtype=torch.int32, device=self.slots[0].param.device)
+        for slot, piece in zip(self.slots, mask.split(sizes), strict=True):
+            grad = kept.get(slot.index)
+            if grad is not None:
+                piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
+        all_reduce(mask, group, timeout)
+        return [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]
+
+
+def _num_rows(param: torch.Tensor) -> int:
+    return param.shape[0] if param.dim() else 1
+
+
+def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return (param[0].numel(),) if param.dim() else (1,)
+
+
+def _add_rows(grad: torch.Tensor, picked: torch.Tensor, rows: torch.Tensor) -> None:
+    # grad[picked] += rows, in place (a bucket view stays a view).
+    num_rows = grad.shape[0] if grad.dim() else 1
+    if grad.is_contiguous():
+        grad.view(num_rows, -1).index_add_(0, picked, rows)
+    else:
+        flat = grad.reshape(num_rows, -1).index_add(0, picked, rows)
+        grad.copy_(flat.view_as(grad))
