@@ -112,3 +112,68 @@ def test_a_layout_the_same_at_both_cap_bounds_is_the_same_at_every_cap_between()
 
         if layout(MIN_CAP) == layout(MAX_CAP):
             assert all(layout(cap) == layout(MIN_CAP) for cap in caps), (numels, first)
+
+
+# -- buckets from the schedule ([Note: buckets from the schedule] in bucket_plan.py)
+
+
+def _simulate(lengths, nbytes, ready, end, latency, bandwidth):
+    # The end of the last transfer of a layout: each bucket leaves when its last
+    # parameter is ready (the last one not before `end`) and the link is free.
+    link_free, start = 0.0, 0
+    for k, length in enumerate(lengths):
+        stop = start + length
+        leaves = max(ready[start:stop])
+        if k == len(lengths) - 1:
+            leaves = max(leaves, end)
+        link_free = max(leaves, link_free) + latency + sum(nbytes[start:stop]) / bandwidth
+        start = stop
+    return link_free
+
+
+def _every_layout(count):
+    for mask in range(2 ** (count - 1)):
+        lengths, run = [], 1
+        for i in range(count - 1):
+            if mask >> i & 1:
+                lengths.append(run)
+                run = 1
+            else:
+                run += 1
+        yield lengths + [run]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_schedule_is_the_best_layout_of_all(seed):
+    # against brute force over every split of up to 8 parameters: no layout ends sooner,
+    # and none that ends as soon has fewer buckets
+    import random
+
+    from torchreplicate.reducer.bucket_plan import schedule_lengths
+
+    rng = random.Random(seed)
+    count = rng.randint(1, 8)
+    nbytes = [rng.choice([4, 64, 1024, 4 * MiB]) * rng.randint(1, 4) for _ in range(count)]
+    ready = sorted(rng.uniform(0, 0.05) for _ in range(count))
+    end = ready[-1] + rng.uniform(0, 0.01)
+    latency, bandwidth = rng.choice([1e-5, 1e-3]), rng.choice([125e6, 1.25e9, 12.5e9])
+    lengths = schedule_lengths(nbytes, ready, end, latency, bandwidth, 64 * MiB)
+    assert sum(lengths) == count and all(length > 0 for length in lengths)
+    got = _simulate(lengths, nbytes, ready, end, latency, bandwidth)
+    for other in _every_layout(count):
+        best = _simulate(other, nbytes, ready, end, latency, bandwidth)
+        assert got <= best + 1e-6, f"{lengths} ends at {got}, {other} at {best}"
+        if best <= got + 1e-9:
+            assert len(lengths) <= len(other) or got < best + 1e-6
+
+
+def test_schedule_follows_the_link():
+    from torchreplicate.reducer.bucket_plan import schedule_lengths
+
+    nbytes, ready = [4 * MiB] * 8, [0.005 * i for i in range(8)]
+    slow = schedule_lengths(nbytes, ready, 0.04, 1e-3, 125e6, 64 * MiB)  # 1 Gbit: each bucket waits for the link
+    fast = schedule_lengths(nbytes, ready, 0.04, 1e-4, 10e9, 64 * MiB)  # 80 Gbit: the link waits for backward
+    assert len(slow) < len(fast) == 8
+    assert slow[0] == 1, "the first gradient leaves alone: the link starts as early as it can"
+    capped = schedule_lengths(nbytes, [0.0] * 8, 0.0, 1e-3, 125e6, 8 * MiB)
+    assert max(capped) <= 2, "no bucket over max_bytes"

@@ -215,7 +215,10 @@ def test_a_regime_change_retunes_the_buckets(pools):
     assert results[0] == results[1], results
     caps, layouts = results[0]
     assert caps[0] == caps[1] > caps[2], f"no retune at step 3: {caps}"  # measured at steps 1 and 3
-    assert layouts[2] > layouts[0], f"the buckets did not follow: {layouts}"
+    # the buckets come from the schedule ([Note: buckets from the schedule]): on the fast link
+    # each layer leaves alone (the link waits for backward), on the slow one they wait for the
+    # link and fewer, larger buckets cost less latency
+    assert layouts[2] < layouts[0], f"the buckets did not follow: {layouts}"
 
 
 @pytest.mark.parametrize("budget", [300_000, 4 * 2**20, 33 * 2**20, 10**9])

@@ -145,3 +145,64 @@ class _Filler:
     def close_all(self) -> None:
         for key in list(self.open):
             self.close(key)
+
+
+def schedule_lengths(
+    nbytes: Sequence[int],
+    ready_s: Sequence[float],
+    end_s: float,
+    latency_s: float,
+    bytes_per_s: float,
+    max_bytes: int,
+) -> list[int]:
+    """Bucket lengths along the launch order that finish the last transfer soonest; pure.
+
+    [Note: buckets from the schedule]
+    The cap alone trades a bucket's fixed latency against starting the link
+    early, but not against what the link is doing: on a link slower than
+    backward, every bucket after the first waits for the link anyway, and
+    each one more costs its latency on the critical path; on a fast link,
+    small buckets overlap more. So, given when each parameter's gradient was
+    ready in the first synchronised backward (``ready_s``, in launch order;
+    the last bucket leaves at the end of backward, ``end_s``) and the fitted
+    link (``time = latency + bytes / bandwidth``, one collective at a time),
+    a dynamic program over where buckets end picks the layout whose last
+    collective ends first (ties: fewer buckets). A bucket leaves when its
+    last parameter is ready and the link is free.
+
+    Args:
+        nbytes: bytes of each parameter's gradient, in launch order.
+        ready_s: when each became ready, in launch order (seconds from the first).
+        end_s: when backward ended (the last bucket leaves then at the earliest).
+        latency_s: the link's fixed cost per collective.
+        bytes_per_s: the link's bandwidth.
+        max_bytes: no bucket larger, unless one parameter is.
+
+    Returns:
+        The number of parameters in each bucket, in launch order (sums to ``len(nbytes)``).
+    """
+    import numpy as np
+
+    count = len(nbytes)
+    if count == 0:
+        return []
+    ready = np.maximum.accumulate(np.asarray(ready_s, dtype=np.float64))
+    sizes = np.concatenate([[0.0], np.cumsum(np.asarray(nbytes, dtype=np.float64))])
+    finish = np.zeros(count + 1)  # finish[i]: soonest end of the buckets holding the first i parameters
+    buckets = np.zeros(count + 1, dtype=np.int64)
+    start_of = np.zeros(count + 1, dtype=np.int64)
+    for i in range(1, count + 1):
+        leaves = max(ready[i - 1], end_s) if i == count else ready[i - 1]
+        first = int(np.searchsorted(sizes, sizes[i] - max_bytes, side="left"))  # the largest bucket allowed
+        first = min(first, i - 1)
+        ends = np.maximum(leaves, finish[first:i]) + latency_s + (sizes[i] - sizes[first:i]) / bytes_per_s
+        best = ends.min()
+        near = np.flatnonzero(ends <= best + 1e-6)  # within a microsecond: the fewest buckets
+        pick = first + int(near[np.argmin(buckets[first + near])])
+        finish[i], buckets[i], start_of[i] = ends[pick - first], buckets[pick] + 1, pick
+    lengths = []
+    i = count
+    while i > 0:
+        lengths.append(i - int(start_of[i]))
+        i = int(start_of[i])
+    return lengths[::-1]

@@ -43,6 +43,7 @@ tensor, which the late round reduces.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -276,6 +277,7 @@ class Reducer:
             step.grew = True  # a count to learn at the end of the step
             if fired == 1 and not self.layout_policy.learned:
                 step.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
+                step.first_ready_ns.append(time.perf_counter_ns())
         index = slot.bucket.index
         events = self.probe.events
         if events is not None:
@@ -360,9 +362,10 @@ class Reducer:
         # The autograd engine's end-of-backward callback ([Note: end of backward] in step.py).
         step = self.step
         step.phase = StepPhase.ENDING
+        end_ns = time.perf_counter_ns()
         try:
             late = end_backward(self, step)
-            self._learn(step)
+            self._learn(step, end_ns)
             self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=late))
             step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         except RuntimeError as error:
@@ -387,16 +390,16 @@ class Reducer:
         self.learn_layout(())
         self.step = StepState(len(self.slots), self.buckets)
 
-    def _learn(self, step: StepState) -> None:
+    def _learn(self, step: StepState, end_ns: int) -> None:
         # After a synchronised step: the firing counts ([Note: when is a
         # parameter ready], a running maximum), the step number, the layout.
         if step.grew:
             for slot, fired in zip(self.slots, step.fired, strict=True):
                 slot.expected = max(slot.expected, fired)  # never a sparse slot's: its hook counts nothing
         self.num_steps += 1
-        self.learn_layout(step.first_ready)
+        self.learn_layout(step.first_ready, step.first_ready_ns, end_ns)
 
-    def learn_layout(self, first_ready: Sequence[int]) -> None:
+    def learn_layout(self, first_ready: Sequence[int], ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
         """After a synchronised step: the first one learns launch order and cap, every
         ``RETUNE_EVERY``-th measures the link again; the buckets follow ([Note: tuning]).
 
@@ -405,10 +408,12 @@ class Reducer:
 
         Args:
             first_ready: slot indices in the order they first got a gradient here.
+            ready_ns: when each did (``time.perf_counter_ns()``); empty where not known.
+            end_ns: when that backward ended, on the same clock.
         """
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
-            rebuild = learn_layout(policy, first_ready, self.group, like)
+            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns)
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)

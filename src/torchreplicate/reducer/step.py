@@ -76,6 +76,7 @@ class StepState:
         "fired",
         "grew",
         "first_ready",
+        "first_ready_ns",
         "absorbed",
         "held",
         "pending",
@@ -90,6 +91,7 @@ class StepState:
         self.fired = [0] * num_params  # accumulations into .grad seen
         self.grew = False  # some parameter fired more often than learned so far
         self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
+        self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
         # its slot holds its contribution as the reduction wants it (scaled on
         # the way in), so nothing is left to do before launch
         self.absorbed = [False] * num_params

@@ -18,7 +18,11 @@ backward, by every rank at the same point:
   bandwidth`` is fitted, and the cap is the smallest bucket whose fixed
   latency costs at most ``OVERHEAD`` of its transfer time. Slow links get
   small buckets (the link starts early and stays busy), fast ones large
-  buckets (few collectives). Every ``RETUNE_EVERY`` synchronised steps the
+  buckets (few collectives). Where every dense gradient shares one dtype,
+  device and group, the buckets then come from the schedule instead
+  ([Note: buckets from the schedule] in bucket_plan.py): when each gradient
+  was ready in that first backward (group rank 0's, broadcast with the
+  order) against the fitted link. Every ``RETUNE_EVERY`` synchronised steps the
   link is measured again (every rank counts the same steps), and the
   buckets are rebuilt if the cap it gives moved by more than
   ``RETUNE_FACTOR``: a regime change (another network, a busier machine).
@@ -45,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.bucket_plan import BucketSpec, plan_buckets
+from torchreplicate.reducer.bucket_plan import BucketSpec, plan_buckets, schedule_lengths
 from torchreplicate.reducer.dtensors import local
 
 MiB = 1024 * 1024
@@ -58,6 +62,10 @@ CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, n
 TIMINGS_BYTES = 8 * len(CALIBRATION_BYTES)  # the all-reduce of the timings (float64), part of the budget
 RETUNE_EVERY = 1000  # synchronised steps between two measurements of the link
 RETUNE_FACTOR = 2.0  # the cap changes only if the new one differs by more than this
+# The schedule plans for a backward this much slower than the first one measured: a
+# bucket that waits for a late gradient idles the link for its whole wait, while one
+# bucket more costs one latency, so the plan errs towards more buckets.
+SCHEDULE_SLACK = 2.0
 
 
 class LinkModel(NamedTuple):
@@ -104,11 +112,15 @@ def readiness_order(first_ready: Sequence[int], num_params: int) -> list[int]:
 
 
 @torch.no_grad()
-def agree_order(order: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """Group rank 0's order, on every rank (one broadcast)."""
-    tensor = torch.tensor(list(order), dtype=torch.int64, device=device)
+def agree_order(
+    order: Sequence[int], group: dist.ProcessGroup, device: torch.device, ready_us: Sequence[int], end_us: int
+) -> tuple[list[int], list[int], int]:
+    """Group rank 0's order, readiness and end of backward (microseconds), on every rank (one broadcast)."""
+    tensor = torch.tensor([*order, *ready_us, end_us], dtype=torch.int64, device=device)
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    return [int(i) for i in tensor.tolist()]
+    values = [int(i) for i in tensor.tolist()]
+    count = len(order)
+    return values[:count], values[count : 2 * count], values[-1]
 
 
 def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
@@ -173,6 +185,11 @@ class LayoutPolicy:
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
         self.cap_changes_layout = True  # False once learned that no cap in [MIN_CAP, MAX_CAP] does: never measured
         self.link: Optional[LinkModel] = None  # the fitted link, when measured
+        # when each dense slot was ready in the first backward, in launch order, and when it
+        # ended (seconds from the first; group rank 0's), for the schedule's buckets
+        self.ready_s: Optional[list[float]] = None
+        self.end_s = 0.0
+        self.lengths: Optional[list[int]] = None  # bucket lengths along `order` from the schedule, or None
 
     @property
     def grad_bytes(self) -> int:
@@ -192,7 +209,7 @@ def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) ->
     dense = policy.dense
     if not dense:
         return [Bucket(0, [], torch.float32, device, extra=num_flags)]
-    specs = plan_layout(policy, policy.cap_bytes, policy.first_cap_bytes)
+    specs = scheduled_layout(policy) or plan_layout(policy, policy.cap_bytes, policy.first_cap_bytes)
     last = len(specs) - 1
     return [
         Bucket(
@@ -220,6 +237,42 @@ def plan_layout(policy: LayoutPolicy, cap_bytes: int, first_cap_bytes: int) -> l
     )
 
 
+def scheduled_layout(policy: LayoutPolicy) -> Optional[list[BucketSpec]]:
+    """The buckets of ``policy.lengths`` along its order, or None when the schedule did not choose them."""
+    if policy.lengths is None or policy.order is None:
+        return None
+    params = [local(slot.param) for slot in policy.dense]
+    specs, start = [], 0
+    for length in policy.lengths:
+        indices = tuple(policy.order[start : start + length])
+        start += length
+        first = params[indices[0]]
+        specs.append(BucketSpec(indices, first.dtype, first.device, sum(params[i].numel() for i in indices)))
+    return specs
+
+
+def schedule(policy: LayoutPolicy) -> Optional[list[int]]:
+    """Bucket lengths from the first backward's schedule and the fitted link; None where it does not apply.
+
+    It applies when the cap is tuned, the link measured, the readiness known,
+    and every dense gradient shares one dtype, device and group (a bucket
+    holds one of each; the cap's plan handles mixtures).
+    """
+    if policy.link is None or policy.ready_s is None or policy.order is None or not any(policy.ready_s):
+        return None
+    params = [local(slot.param) for slot in policy.dense]
+    if len({(p.dtype, p.device) for p in params}) != 1 or len(set(policy.groups or [0])) != 1:
+        return None
+    return schedule_lengths(
+        [params[i].numel() * params[i].element_size() for i in policy.order],
+        [t * SCHEDULE_SLACK for t in policy.ready_s],
+        policy.end_s * SCHEDULE_SLACK,
+        policy.link.latency_s,
+        policy.link.bytes_per_s,
+        MAX_CAP,
+    )
+
+
 def cap_changes_layout(policy: LayoutPolicy) -> bool:
     """Whether any cap ``choose_cap`` can give lays ``policy``'s slots out otherwise than another.
 
@@ -236,27 +289,40 @@ def cap_changes_layout(policy: LayoutPolicy) -> bool:
 
 
 def learn_layout(
-    policy: LayoutPolicy, first_ready: Sequence[int], group: dist.ProcessGroup, like: torch.Tensor
+    policy: LayoutPolicy,
+    first_ready: Sequence[int],
+    group: dist.ProcessGroup,
+    like: torch.Tensor,
+    ready_ns: Sequence[int] = (),
+    end_ns: int = 0,
 ) -> bool:
-    """Fills ``policy`` with the agreed launch order and, when tuned, the cap; whether to rebuild.
+    """Fills ``policy`` with the agreed launch order and, when tuned, the cap and schedule; whether to rebuild.
 
     Args:
         policy: the reducer's layout policy (``learned`` after this).
         first_ready: slot indices in the order they first got a gradient on this rank.
         group: the process group (the agreement collectives run on it).
         like: a tensor on the device and of the dtype the buckets use.
+        ready_ns: ``time.perf_counter_ns()`` of each of ``first_ready`` (empty: not known here).
+        end_ns: the same clock when backward ended.
     """
     policy.learned = True
     if not policy.dense:
         return False
     position = {slot.index: i for i, slot in enumerate(policy.dense)}
+    when = {position[i]: t for i, t in zip(first_ready, ready_ns) if i in position}
     ready = [position[i] for i in first_ready if i in position]
-    policy.order = agree_order(readiness_order(ready, len(policy.dense)), group, like.device)
+    order = readiness_order(ready, len(policy.dense))
+    start = min(when.values(), default=end_ns)
+    ready_us = [(when.get(i, end_ns) - start) // 1000 if when else 0 for i in order]
+    policy.order, agreed_us, end_us = agree_order(order, group, like.device, ready_us, (end_ns - start) // 1000)
+    policy.ready_s, policy.end_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6
     policy.cap_changes_layout = cap_changes_layout(policy)
     if policy.tune_cap and policy.cap_changes_layout:
         policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
         policy.cap_bytes = choose_cap(policy.link)
         policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
+        policy.lengths = schedule(policy)
     return True
 
 
@@ -273,4 +339,5 @@ def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tenso
         return False
     policy.link, policy.cap_bytes = link, cap
     policy.first_cap_bytes = min(policy.first_cap_bytes, cap)
+    policy.lengths = schedule(policy)
     return True
