@@ -30,4 +30,3 @@ def on_files(files: Files, config: Any) -> Files:
                 )
             )
     return files
-
