@@ -143,21 +143,25 @@ def _github_slug(heading: str) -> str:
     return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
 
 
+def _markdown_anchors(text: str) -> set[str]:
+    without_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {_github_slug(h) for h in re.findall(r"^#+ (.+)$", without_code, flags=re.MULTILINE)}
+
+
 def test_the_readme_links_resolve():
     text = (ROOT / "README.md").read_text()
-    without_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
-    anchors = {_github_slug(h) for h in re.findall(r"^#+ (.+)$", without_code, flags=re.MULTILINE)}
-    targets = re.findall(r"\]\(([^)\s]+)\)", without_code)
+    targets = re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
     assert len(targets) >= 15, f"only {len(targets)} links in the README"
     broken = []
     for target in targets:
         url = urlsplit(target)
         if url.scheme or url.netloc:
             continue
-        if url.path and not (ROOT / unquote(url.path)).exists():
+        path = ROOT / unquote(url.path) if url.path else ROOT / "README.md"
+        if not path.exists():
             broken.append(f"{target}: no such file")
-        elif not url.path and url.fragment not in anchors:
-            broken.append(f"{target}: no such heading")
+        elif url.fragment and path.suffix == ".md" and url.fragment not in _markdown_anchors(path.read_text()):
+            broken.append(f"{target}: no such heading in {path.name}")
     assert not broken, "broken README links:\n" + "\n".join(broken)
 
 
