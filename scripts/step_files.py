@@ -5,7 +5,7 @@ small MLP, trains 3 warm-up steps (the first step learns the layout), then
 traces one step (forward, backward, optimizer step) with ``sys.setprofile``
 and prints, on rank 0, the library files whose Python functions ran and the
 calls from one library file into another. A reading aid for the layout
-(README: Layout), not a benchmark.
+(docs/architecture.md), not a benchmark.
 
     .venv/bin/python scripts/step_files.py
 """

@@ -5,7 +5,7 @@ inside a compiled function. The reducer's traced path ([Note: compiled
 autograd] in reduction.py) all-reduces each gradient in the graph. The
 gradients must equal one process on the global batch, and differ from the
 local ones (proof that they were averaged). aot_eager here; inductor's CPU
-compile takes minutes on this machine (README says what was run by hand).
+compile takes minutes on this machine (docs/modern-stack.md says what was run by hand).
 """
 
 from __future__ import annotations

@@ -219,10 +219,14 @@ def replicate(
     After every ``backward()``, each replicated parameter's ``.grad`` is the
     mean of all ranks' gradients. The module keeps its identity, its
     ``state_dict`` keys and its behaviour; its class becomes a subclass that
-    adds ``set_requires_gradient_sync``, ``no_sync`` and ``register_comm_hook``.
+    adds ``set_requires_gradient_sync``, ``no_sync``, ``register_comm_hook``
+    and ``join`` (``ReplicateModule``).
     Parameters are checked across ranks and broadcast from rank 0 here; if
     ``fully_shard`` is applied to children afterwards, the first forward
     re-plans without them. Call on every rank, after ``init_process_group``.
+    Where torch's own ``replicate`` or DDP refuses an input, the exception is
+    of their type too and their message comes first ([Note: the seed's
+    contract] in seed_contract.py).
 
     Args:
         module: the model; its parameters must be the same on every rank.
@@ -257,7 +261,7 @@ def replicate(
             dtype. Default None: the parameters' own dtype.
         gradient_divide_factor: the reduced sum is divided by this. Default
             None: the world size (a mean). 1 gives a sum, for losses normalised
-            by a global token count (see the README).
+            by a global token count (docs/modern-stack.md).
         stall_timeout: seconds (or a ``timedelta``) a reducer collective may
             wait for the other ranks before every waiting rank raises an
             error naming the ranks missing and where they are (see
@@ -287,9 +291,6 @@ def replicate(
             every rank, naming the parameter).
         TypeError / ValueError: an option has a bad value (the message names
             the option, the value and the fix).
-        Where torch's own ``replicate`` or DDP refuses the same input, the
-        exception is of their type too and their message comes first
-        ([Note: the seed's contract] in seed_contract.py).
     """
     refuse_positional(positional)
     _refuse_unsupported(module)

@@ -5,7 +5,7 @@ Code written against ``DistributedDataParallel``, or against torch's own
 ``replicate(model, device_ids=[local_rank], output_device=local_rank, ...)``.
 Every argument of DDP 2.13's signature is accepted here with DDP's meaning,
 mapped onto ours, or refused with the reason and what to write instead
-(the table is in the README's migration section). Refusals happen before any
+(the table is in docs/migration.md; the README has the short one). Refusals happen before any
 collective, so every rank raises the same error.
 """
 

@@ -185,7 +185,7 @@ class AllReduce(Reduction):
         # fuse them into buckets), in the wire dtype when one is set
         # (reduce_dtype, mp_policy). Its limits, as DDP's: every rank must
         # produce a gradient for the same parameters each step (no unused
-        # parameters), and no comm hook (refused at trace time; README:
+        # parameters), and no comm hook (refused at trace time; docs/modern-stack.md:
         # Compiled autograd).
         mean = grad / self.divide_factor
         if self.reduce_dtype is not None:
@@ -291,7 +291,7 @@ class HookReduction(Reduction):
         self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
     ) -> torch.Tensor:
         # The hook launches its own collectives, which cannot take a timeout:
-        # only the flags' all-reduce is bounded (README: When things go wrong).
+        # only the flags' all-reduce is bounded (docs/faults.md).
         self.weak_group = group
         self._timeout = timeout
         self._buckets = buckets

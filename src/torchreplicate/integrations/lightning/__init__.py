@@ -3,7 +3,7 @@
 Importing this package registers both under the name ``"replicate"``, so
 ``Trainer(strategy="replicate")`` and ``Fabric(strategy="replicate")`` work
 after ``import torchreplicate.integrations.lightning``. Needs the
-``lightning`` package (``pip install "torchreplicate[lightning]"``).
+``lightning`` package (the ``lightning`` extra: ``pip install ".[lightning]"`` in a clone).
 """
 
 from torchreplicate.integrations.lightning.fabric import ReplicateStrategy as FabricReplicateStrategy

@@ -28,10 +28,15 @@ class ReplicateStrategy(DDPStrategy):
     """Data parallelism for ``Fabric`` with torchreplicate's reducer: ``Fabric(strategy=ReplicateStrategy())``.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision, process_group_backend, timeout, start_method: as
-            ``lightning.fabric.strategies.DDPStrategy``'s (Fabric fills most
-            of them in). ``start_method`` default ``"popen"``.
+        accelerator: as ``lightning.fabric.strategies.DDPStrategy``'s, like the next six
+            (Fabric fills most of them in).
+        parallel_devices: as ``DDPStrategy``'s.
+        cluster_environment: as ``DDPStrategy``'s.
+        checkpoint_io: as ``DDPStrategy``'s.
+        precision: as ``DDPStrategy``'s.
+        process_group_backend: as ``DDPStrategy``'s.
+        timeout: as ``DDPStrategy``'s.
+        start_method: as ``DDPStrategy``'s. Default ``"popen"``.
         **replicate_options: ``replicate()``'s keyword options, checked here
             on every rank. Not ``device_id``, ``process_group`` or a mesh:
             the strategy sets those.

@@ -7,8 +7,8 @@ replicated in place, so ``trainer.model`` is the LightningModule itself:
 no ``.module`` to unwrap, the same ``state_dict`` keys.
 
 Limits: DDPStrategy's ``ddp_comm_*`` and ``model_averaging_period`` options
-are not taken (register a comm hook on ``trainer.model`` instead; see the
-README). The module stays replicated after ``fit``: fit a fresh module, or
+are not taken (register a comm hook on ``trainer.model`` instead; see
+docs/integrations.md). The module stays replicated after ``fit``: fit a fresh module, or
 the same one with the same strategy object again, not with a new strategy.
 """
 
@@ -36,10 +36,15 @@ class ReplicateStrategy(DDPStrategy):
     """Data parallelism for ``Trainer`` with torchreplicate's reducer: ``Trainer(strategy=ReplicateStrategy())``.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin, process_group_backend, timeout, start_method:
-            as ``lightning.pytorch.strategies.DDPStrategy``'s (the Trainer
-            fills most of them in). ``start_method`` default ``"popen"``.
+        accelerator: as ``lightning.pytorch.strategies.DDPStrategy``'s, like the next six
+            (the Trainer fills most of them in).
+        parallel_devices: as ``DDPStrategy``'s.
+        cluster_environment: as ``DDPStrategy``'s.
+        checkpoint_io: as ``DDPStrategy``'s.
+        precision_plugin: as ``DDPStrategy``'s.
+        process_group_backend: as ``DDPStrategy``'s.
+        timeout: as ``DDPStrategy``'s.
+        start_method: as ``DDPStrategy``'s. Default ``"popen"``.
         **replicate_options: ``replicate()``'s keyword options
             (``bucket_cap_mb``, ``broadcast_buffers``, ``reduce_dtype``, ...),
             checked here on every rank. Not ``device_id``, ``process_group``

@@ -1,0 +1,246 @@
+"""The documentation site: it builds with warnings as errors, every internal link resolves, and it renders.
+
+The site is built from this checkout (``mkdocs build --strict`` into a
+temporary folder, as scripts/test.sh does into site/). Then:
+
+- every ``href`` and ``src`` inside the built site points at a file that
+  exists, and every ``#anchor`` at an ``id`` on the target page; nothing the
+  pages load (scripts, stylesheets, images) comes from another host, so a
+  browser opening the site reaches no network;
+- the README's relative links point at files of the repository, and its
+  ``#anchors`` at its own headings;
+- headless Chromium opens the home page and the API page from a local HTTP
+  server: the rendered DOM holds the expected text, and the screenshots are
+  real images, not blank. Without Chromium (``apt-get install chromium``;
+  scripts/setup.sh installs it as root) this test skips, saying so, except
+  under CI (the ``CI`` variable set), where it fails: CI must not skip it.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BROWSER_TIMEOUT_S = 120
+# Chromium reaching no network and keeping no state: no QUIC, no first-run,
+# background or component-update traffic, a fresh profile per run.
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",  # CI runs as root
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1280,900",
+]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built from this checkout, with warnings as errors."""
+    try:
+        import mkdocs  # noqa: F401
+    except ImportError:
+        _missing("mkdocs (the docs extra: pip install -e '.[docs]')")
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr}"
+    return out
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing, and CI must not skip the docs site test (scripts/setup.sh installs it)")
+    pytest.skip(f"{what} is missing")
+
+
+class _Links(HTMLParser):
+    # Every link, source and id of one HTML page.
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[tuple[str, str, str]] = []  # (tag, attribute, value)
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if value is None:
+                continue
+            if name in ("href", "src"):
+                self.links.append((tag, name, value))
+            elif name in ("id", "name") and tag != "meta":
+                self.ids.add(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(page: Path) -> _Links:
+    parser = _Links()
+    parser.feed(page.read_text(encoding="utf-8"))
+    return parser
+
+
+def test_every_internal_link_and_anchor_resolves(site):
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) >= 15, f"only {len(pages)} pages built"
+    broken, remote = [], []
+    checked = 0
+    for page in pages:
+        for tag, attribute, value in _parse(page).links:
+            url = urlsplit(value)
+            if url.scheme or url.netloc:
+                # A page may link out; what it loads must be local.
+                if url.scheme in ("http", "https", "") and (tag != "a" or attribute == "src"):
+                    remote.append(f"{page.relative_to(site)}: <{tag} {attribute}={value}>")
+                continue
+            if url.path.startswith("/"):  # 404.html's links: from the root the site is served at
+                target = site / unquote(url.path).lstrip("/")
+            else:
+                target = (page.parent / unquote(url.path)).resolve() if url.path else page
+            if target.is_dir():
+                target = target / "index.html"
+            checked += 1
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)}: {value} (no file {target})")
+            elif url.fragment and target.suffix == ".html" and unquote(url.fragment) not in _parse(target).ids:
+                broken.append(f"{page.relative_to(site)}: {value} (no id {url.fragment!r} there)")
+    assert checked > 500, f"only {checked} internal links found: is the parser still finding them?"
+    assert not broken, "broken internal links:\n" + "\n".join(broken)
+    assert not remote, "pages load resources from other hosts:\n" + "\n".join(remote)
+
+
+def test_the_benchmark_results_are_on_the_site(site):
+    for name in ("latest", "net", "dynamic", "hooks", "observe", "first_step", "watchdog"):
+        assert (site / "results" / f"{name}.html").is_file(), f"results/{name}.md is not on the site"
+    assert (site / "results" / "ratios.png").is_file()
+
+
+def _github_slug(heading: str) -> str:
+    # How GitHub names a heading's anchor: lower case, punctuation dropped, spaces to dashes.
+    text = re.sub(r"[`*_]", "", heading.strip()).lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+def _markdown_anchors(text: str) -> set[str]:
+    without_code = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return {_github_slug(h) for h in re.findall(r"^#+ (.+)$", without_code, flags=re.MULTILINE)}
+
+
+def test_the_readme_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+    assert len(targets) >= 15, f"only {len(targets)} links in the README"
+    broken = []
+    for target in targets:
+        url = urlsplit(target)
+        if url.scheme or url.netloc:
+            continue
+        path = ROOT / unquote(url.path) if url.path else ROOT / "README.md"
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif url.fragment and path.suffix == ".md" and url.fragment not in _markdown_anchors(path.read_text()):
+            broken.append(f"{target}: no such heading in {path.name}")
+    assert not broken, "broken README links:\n" + "\n".join(broken)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    """The built site over HTTP on 127.0.0.1 (a free port): its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _chromium(*arguments: str, profile: Path) -> str:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        _missing("chromium")
+    process = subprocess.Popen(
+        [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, errors = process.communicate(timeout=BROWSER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the browser and its helper processes
+        process.communicate()
+        pytest.fail(f"chromium still running after {BROWSER_TIMEOUT_S} s: {arguments}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, f"chromium exited {process.returncode}: {errors[-3000:]}"
+    return output
+
+
+def _assert_real_screenshot(path: Path) -> None:
+    from matplotlib.image import imread
+
+    pixels = imread(path)  # floats in [0, 1], height x width x channels
+    assert pixels.shape[:2] == (900, 1280), f"{path}: {pixels.shape}"
+    rgb = pixels[..., :3]
+    colours = len({tuple(p) for p in (rgb[::7, ::7] * 255).round().reshape(-1, 3).tolist()})
+    assert rgb.std() > 0.05 and colours > 20, f"{path} looks blank: std {rgb.std():.3f}, {colours} colours"
+    assert rgb[:48].mean() < 0.8, f"{path}: no header bar at the top (is the theme's stylesheet loading?)"
+
+
+# (page, texts the rendered DOM must hold)
+PAGES = {
+    "index.html": ["<title>torchreplicate</title>", "Why switch from DDP", "Status: alpha", "GPU and NCCL have never"],
+    "api.html": [
+        "API reference",
+        "ignored_modules",
+        "bucket_cap_mb",
+        "a data-parallel replica, in place, and returns it",
+        "set_requires_gradient_sync",
+        "verify_replicas",
+        "FabricReplicateStrategy",
+    ],
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_the_page_renders_in_a_headless_browser(served, page, tmp_path):
+    url = f"{served}/{page}"
+    dom = _chromium("--dump-dom", url, profile=tmp_path / "profile-dom")
+    for text in PAGES[page]:
+        assert text in dom, f"{page}: {text!r} not in the rendered page"
+    keep = os.environ.get("TORCHREPLICATE_SCREENSHOTS")  # a folder to keep the screenshots in, to look at
+    screenshot = (Path(keep) if keep else tmp_path) / f"{Path(page).stem}.png"
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    _chromium(f"--screenshot={screenshot}", url, profile=tmp_path / "profile-shot")
+    _assert_real_screenshot(screenshot)
