@@ -310,7 +310,7 @@ def learn_layout(
     if not policy.dense:
         return False
     position = {slot.index: i for i, slot in enumerate(policy.dense)}
-    when = {position[i]: t for i, t in zip(first_ready, ready_ns) if i in position}
+    when = {position[i]: t for i, t in zip(first_ready, ready_ns, strict=False) if i in position}  # no times: a shadow
     ready = [position[i] for i in first_ready if i in position]
     order = readiness_order(ready, len(policy.dense))
     start = min(when.values(), default=end_ns)
