@@ -177,3 +177,5 @@ def test_schedule_follows_the_link():
     assert slow[0] == 1, "the first gradient leaves alone: the link starts as early as it can"
     capped = schedule_lengths(nbytes, [0.0] * 8, 0.0, 1e-3, 125e6, 8 * MiB)
     assert max(capped) <= 2, "no bucket over max_bytes"
+    tiny = schedule_lengths([64 * 1024] * 64, [0.001 * i for i in range(64)], 0.064, 1e-5, 10e9, 64 * MiB, MiB)
+    assert all(length >= 16 for length in tiny[1:]), f"a bucket under min_bytes after the first: {tiny}"

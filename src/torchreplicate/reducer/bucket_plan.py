@@ -154,6 +154,7 @@ def schedule_lengths(
     latency_s: float,
     bytes_per_s: float,
     max_bytes: int,
+    min_bytes: int = 0,
 ) -> list[int]:
     """Bucket lengths along the launch order that finish the last transfer soonest; pure.
 
@@ -177,6 +178,8 @@ def schedule_lengths(
         latency_s: the link's fixed cost per collective.
         bytes_per_s: the link's bandwidth.
         max_bytes: no bucket larger, unless one parameter is.
+        min_bytes: no bucket smaller but the first (a collective's CPU work, which
+            the fitted latency does not show, competes with backward on the CPU).
 
     Returns:
         The number of parameters in each bucket, in launch order (sums to ``len(nbytes)``).
@@ -196,6 +199,11 @@ def schedule_lengths(
         first = int(np.searchsorted(sizes, sizes[i] - max_bytes, side="left"))  # the largest bucket allowed
         first = min(first, i - 1)
         ends = np.maximum(leaves, finish[first:i]) + latency_s + (sizes[i] - sizes[first:i]) / bytes_per_s
+        small = sizes[i] - sizes[first:i] < min_bytes
+        if first == 0:
+            small[0] = False  # a bucket from the start may be small
+        if not small.all():
+            ends[small] = np.inf
         best = ends.min()
         near = np.flatnonzero(ends <= best + 1e-6)  # within a microsecond: the fewest buckets
         pick = first + int(near[np.argmin(buckets[first + near])])

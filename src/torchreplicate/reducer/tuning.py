@@ -270,6 +270,7 @@ def schedule(policy: LayoutPolicy) -> Optional[list[int]]:
         policy.link.latency_s,
         policy.link.bytes_per_s,
         MAX_CAP,
+        MIN_CAP,
     )
 
 
