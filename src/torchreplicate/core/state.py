@@ -383,6 +383,7 @@ class ReplicateState:
             sparse=self.plan.sparse,
             groups=self.plan.param_groups,
             learned=learned,
+            fixed_layout=self.config.bucket_layout == "fixed",
         )
         return reducer
 
