@@ -22,7 +22,6 @@ from torch import nn
 pytest.importorskip("torchft")
 
 import torchft_runs  # noqa: E402  (after the skip: it imports nothing of torchft at import time, its workers do)
-
 from torchreplicate import replicate  # noqa: E402
 from torchreplicate.config import ReplicateConfig  # noqa: E402
 from torchreplicate.integrations.torchft import replicate_ft  # noqa: E402

@@ -121,6 +121,9 @@ def worker(args: argparse.Namespace) -> None:
     while manager.current_step() < args.steps:
         if manager.current_step() == args.hold_at:
             _wait_for(out / "newcomer.ready")
+        if manager.current_step() == args.die_at and args.die_in == "between":  # no all-reduce in flight
+            log.write(json.dumps({"pid": os.getpid(), "step": args.die_at, "seed": -1, "killed": time.time()}) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
         started = time.time()
         manager.start_quorum()  # the quorum; a new replica heals here (use_async_quorum=False)
         optimizer.zero_grad()
@@ -130,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
         inputs, targets = batch(seed)
         loss = loss_fn(trained(inputs), targets)
         record = {"pid": os.getpid(), "attempt": attempt, "step": step, "seed": seed, "start": started}
-        if step == args.die_at:
+        if step == args.die_at and args.die_in == "backward":
             log.write(json.dumps({**record, "killed": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
@@ -222,9 +225,15 @@ def run_scenario(
     die_at: int = 4,
     hidden: int = 16,
     reduce_dtype: Optional[str] = None,
+    die_in: str = "backward",
     timeout_s: float = 150.0,
 ) -> dict[str, Any]:
     """Three replica groups, one killed at ``die_at``, a fresh one healed in; returns what each recorded.
+
+    ``die_in="backward"``: the victim dies after its forward, before its
+    backward, so its peers are in (or about to start) an all-reduce with it;
+    ``"between"``: before step ``die_at``'s quorum, no collective in flight
+    (where torchft's own tests inject failures).
 
     Every child is killed in a ``finally``; the lighthouse is shut down.
 
@@ -239,7 +248,7 @@ def run_scenario(
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     common = ["--engine", engine, "--lighthouse", lighthouse.address(), "--out", str(out)]
-    common += ["--steps", str(num_steps), "--hidden", str(hidden)]
+    common += ["--steps", str(num_steps), "--hidden", str(hidden), "--die-in", die_in]
     if reduce_dtype is not None:
         common += ["--reduce-dtype", reduce_dtype]
     processes: dict[str, subprocess.Popen] = {}
@@ -339,6 +348,7 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--barrier", type=int, default=1)
     parser.add_argument("--hold-at", type=int, default=-1)
+    parser.add_argument("--die-in", choices=["backward", "between"], default="backward")
     parser.add_argument("--reduce-dtype", default=None)
     parser.add_argument("--init", default="")
     parser.add_argument("--rank", type=int, default=0)

@@ -20,7 +20,6 @@ from torchreplicate.seed_contract import (
     seed_device_id_text,
 )
 
-
 BUCKET_LAYOUTS = ("learned", "fixed")  # replicate(bucket_layout=...): see ReplicateConfig
 
 
@@ -97,13 +96,13 @@ class ReplicateConfig:
         if self.bucket_layout not in BUCKET_LAYOUTS:
             raise ValueError(
                 f"replicate(): bucket_layout must be one of {', '.join(map(repr, BUCKET_LAYOUTS))}, got "
-                f"{self.bucket_layout!r}; \"fixed\" keeps the buckets in reverse registration order at the "
-                "caps given (the same on a replica that joins later), \"learned\" (the default) reorders "
+                f'{self.bucket_layout!r}; "fixed" keeps the buckets in reverse registration order at the '
+                'caps given (the same on a replica that joins later), "learned" (the default) reorders '
                 "them after the first step"
             )
         if self.bucket_layout == "fixed" and self.bucket_cap_mb is None:
             raise ValueError(
-                "replicate(): bucket_layout=\"fixed\" needs a bucket_cap_mb (None asks the reducer to "
+                'replicate(): bucket_layout="fixed" needs a bucket_cap_mb (None asks the reducer to '
                 "measure the link and choose, which a fixed layout never does); pass e.g. bucket_cap_mb=25"
             )
 
