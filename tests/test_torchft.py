@@ -24,7 +24,7 @@ pytest.importorskip("torchft")
 import torchft_runs  # noqa: E402  (after the skip: it imports nothing of torchft at import time, its workers do)
 from torchreplicate import replicate  # noqa: E402
 from torchreplicate.config import ReplicateConfig  # noqa: E402
-from torchreplicate.integrations.torchft import replicate_ft  # noqa: E402
+from torchreplicate.integrations.torchft import ManagerFuture, replicate_ft  # noqa: E402
 
 DIE_AT = 4
 NUM_STEPS = 12
@@ -155,3 +155,40 @@ def test_refuses_no_process_group_and_a_bad_reduce_dtype():
         replicate_ft(nn.Linear(2, 2), manager)
     with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch.dtype .* got torch.int32"):
         replicate_ft(nn.Linear(2, 2), manager, reduce_dtype=torch.int32)
+
+
+class _StubManager:
+    # What ManagerFuture reads of a torchft Manager: errored().
+    def __init__(self) -> None:
+        self.error = None
+
+    def errored(self):
+        return self.error
+
+
+class _FailingWork:
+    # torchft's _ManagedWork.wait on a broken connection: reports, returns False, never raises.
+    def __init__(self, manager: _StubManager) -> None:
+        self.manager = manager
+
+    def wait(self):
+        self.manager.error = RuntimeError("Connection reset by peer")
+        return False
+
+
+class _Work:
+    def wait(self):
+        return True
+
+
+def test_a_failed_allreduce_gives_zeros_not_an_exception():
+    manager = _StubManager()
+    wire = torch.full((3,), 2.0, dtype=torch.float64)
+    result = ManagerFuture(manager, _FailingWork(manager), wire, torch.float32).wait()
+    assert result.dtype == torch.float32 and torch.equal(result, torch.zeros(3))
+
+
+def test_the_average_comes_back_in_the_bucket_dtype():
+    wire = torch.full((3,), 0.5, dtype=torch.float64)
+    result = ManagerFuture(_StubManager(), _Work(), wire, torch.float32).wait()
+    assert result.dtype == torch.float32 and torch.equal(result, torch.full((3,), 0.5))
