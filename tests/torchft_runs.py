@@ -21,6 +21,7 @@ group of the same processes).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -40,9 +41,13 @@ IN_FEATURES, OUT_FEATURES, BATCH = 8, 4, 4
 LR, MOMENTUM = 0.05, 0.9
 
 
-def make_model(hidden: int) -> nn.Module:
-    """The model every replica and the replay start from (seeded: the same everywhere)."""
-    torch.manual_seed(0)
+def make_model(hidden: int, seed: int = 0) -> nn.Module:
+    """A model to start from, initialised from ``seed``.
+
+    Each replica starts from its own seed: the Manager's step-0 sync
+    (``init_sync=True``) must make them equal, with no broadcast of ours.
+    """
+    torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(IN_FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, OUT_FEATURES)
     )
@@ -57,6 +62,11 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The data of one attempted step, from its seed."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(BATCH, IN_FEATURES, generator=generator), torch.randn(BATCH, OUT_FEATURES, generator=generator)
+
+
+def digest(model: nn.Module) -> str:
+    """A hash of the model's parameters, bit for bit."""
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
 def seed_of(name: str, attempt: int) -> int:
@@ -77,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     log = open(out / f"{args.name}.jsonl", "a", buffering=1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # this process: the replica group
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # the Manager's store
-    model = make_model(args.hidden)
+    model = make_model(args.hidden, seed=int(args.name[1:]))
     optimizer = make_optimizer(model)
 
     def state_dict() -> dict[str, Any]:
@@ -133,6 +143,8 @@ def worker(args: argparse.Namespace) -> None:
         inputs, targets = batch(seed)
         loss = loss_fn(trained(inputs), targets)
         record = {"pid": os.getpid(), "attempt": attempt, "step": step, "seed": seed, "start": started}
+        if attempt == 0:
+            record["start_digest"] = digest(model)  # after the first quorum: synced or healed
         if step == args.die_at and args.die_in == "backward":
             log.write(json.dumps({**record, "killed": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -304,7 +316,7 @@ def committed_steps(records: dict[str, list[dict[str, Any]]]) -> dict[int, list[
     return dict(sorted(steps.items()))
 
 
-def replay(steps: dict[int, list[dict[str, Any]]], hidden: int) -> dict[str, Any]:
+def replay(steps: dict[int, list[dict[str, Any]]], hidden: int, init_seed: int = 0) -> dict[str, Any]:
     """One process trains on exactly the committed steps: each participant's gradient, averaged.
 
     The sum of a step's gradients is taken in float64 (as the replicas send
@@ -312,9 +324,10 @@ def replay(steps: dict[int, list[dict[str, Any]]], hidden: int) -> dict[str, Any
     exactly, so the order of the all-reduce does not matter; the average is
     then rounded to float32 once, as on the replicas. Checked here: if any
     sum were not exact, the orders would disagree and this raises.
+    ``init_seed``: the seed of the replica whose start the Manager synced to all.
     """
     torch.set_num_threads(1)
-    model = make_model(hidden)
+    model = make_model(hidden, init_seed)
     optimizer = make_optimizer(model)
     loss_fn = nn.MSELoss()
     for step, rows in steps.items():
