@@ -33,7 +33,7 @@ from torchreplicate import replicate
 
 venv = sys.argv[1]
 assert torchreplicate.__file__.startswith(venv), f"imported {torchreplicate.__file__}, not the installed wheel"
-assert "matplotlib" not in sys.modules and "lightning" not in sys.modules
+assert not {"matplotlib", "lightning", "torchft"} & set(sys.modules)
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank)  # different starts: replicate() gives every rank rank 0's
@@ -66,11 +66,13 @@ def test_wheel_installs_into_a_clean_venv_and_runs_a_two_rank_step(tmp_path):
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "torchreplicate/py.typed" in names
     assert "torchreplicate/integrations/lightning/trainer.py" in names
+    assert "torchreplicate/integrations/torchft.py" in names
     assert not any(n.startswith(("tests/", "tools/", "benchmarks/")) for n in names), names
-    for extra in ("plot", "lightning", "test"):
+    for extra in ("plot", "lightning", "torchft", "test"):
         assert f"Provides-Extra: {extra}" in metadata, f"no [{extra}] extra in the wheel's metadata"
     assert 'matplotlib>=3.5; extra == "plot"' in metadata
     assert 'lightning>=2.6; extra == "lightning"' in metadata
+    assert 'torchft>=0.2; extra == "torchft"' in metadata
 
     # nothing from the checkout: with PYTHONPATH=src, pip would take the build's
     # src/torchreplicate.egg-info for an installed torchreplicate and skip the wheel

@@ -204,6 +204,7 @@ def replicate(
     device_mesh: Optional[DeviceMesh] = None,
     bucket_cap_mb: Optional[float] = None,
     first_bucket_cap_mb: float = 1,
+    bucket_layout: str = "learned",
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: Optional[bool] = None,
     find_unused_parameters: bool = False,
@@ -247,6 +248,9 @@ def replicate(
             picks the size (see tuning.py; 25 MiB until then); a number pins it.
         first_bucket_cap_mb: cap of the first bucket, small so the first
             collective starts early in backward. Default 1.
+        bucket_layout: ``"learned"`` (default): after the first step, buckets follow the order gradients
+            became ready. ``"fixed"``: reverse registration order at the caps given, never rebuilt, the
+            same on a replica that joins later (torchft; needs ``bucket_cap_mb``).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
         broadcast_buffers: before every forward, give every rank rank 0's
@@ -302,6 +306,7 @@ def replicate(
         device_id=to_device(options["device_id"]),
         bucket_cap_mb=options["bucket_cap_mb"],
         first_bucket_cap_mb=first_bucket_cap_mb,
+        bucket_layout=bucket_layout,
         gradient_as_bucket_view=gradient_as_bucket_view,
         broadcast_buffers=True if options["broadcast_buffers"] is None else options["broadcast_buffers"],
         find_unused_parameters=find_unused_parameters,
@@ -351,10 +356,9 @@ def _attach_state(
 
 
 def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
-    # DDP's init_sync=False: each rank keeps its own parameters and buffers.
-    # The set-up still checks shapes across ranks and broadcasts (every rank
-    # runs the same collectives, whatever each passed); this copy is put back
-    # after it. By name: a device_id move replaces the buffers' tensors.
+    # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
+    # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
+    # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
     tensors = [*module.named_parameters(), *module.named_buffers()]
     return {name: tensor.detach().clone() for name, tensor in tensors}
 

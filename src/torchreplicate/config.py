@@ -20,6 +20,8 @@ from torchreplicate.seed_contract import (
     seed_device_id_text,
 )
 
+BUCKET_LAYOUTS = ("learned", "fixed")  # replicate(bucket_layout=...): see ReplicateConfig
+
 
 @dataclass(frozen=True)
 class ReplicateConfig:
@@ -36,6 +38,7 @@ class ReplicateConfig:
     ignored_modules: tuple[nn.Module, ...] = ()
     device_id: Optional[torch.device] = None
     bucket_cap_mb: Optional[float] = None  # None: tuned by the reducer (tuning.py)
+    bucket_layout: str = "learned"  # "fixed": registration order and the caps given, never rebuilt
     first_bucket_cap_mb: float = 1.0
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True
@@ -64,6 +67,7 @@ class ReplicateConfig:
         """What decides the size and order of every collective, as text: every rank must agree on it."""
         return {
             "bucket_cap_mb": str(self.bucket_cap_mb),
+            "bucket_layout": self.bucket_layout,
             "first_bucket_cap_mb": str(self.first_bucket_cap_mb),
             "reduce_dtype": str(self.wire_dtype),
             "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
@@ -73,6 +77,7 @@ class ReplicateConfig:
     def __post_init__(self) -> None:
         self._check_switches()
         self._check_sizes()
+        self._check_layout()
         self._check_precision()
 
     def _check_switches(self) -> None:
@@ -86,6 +91,20 @@ class ReplicateConfig:
             value = getattr(self, option)
             if not isinstance(value, bool):
                 raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
+
+    def _check_layout(self) -> None:
+        if self.bucket_layout not in BUCKET_LAYOUTS:
+            raise ValueError(
+                f"replicate(): bucket_layout must be one of {', '.join(map(repr, BUCKET_LAYOUTS))}, got "
+                f'{self.bucket_layout!r}; "fixed" keeps the buckets in reverse registration order at the '
+                'caps given (the same on a replica that joins later), "learned" (the default) reorders '
+                "them after the first step"
+            )
+        if self.bucket_layout == "fixed" and self.bucket_cap_mb is None:
+            raise ValueError(
+                'replicate(): bucket_layout="fixed" needs a bucket_cap_mb (None asks the reducer to '
+                "measure the link and choose, which a fixed layout never does); pass e.g. bucket_cap_mb=25"
+            )
 
     def _check_sizes(self) -> None:
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):

@@ -388,6 +388,7 @@ class ReplicateState:
             tied=to_split(self.module, self.plan, self.reduction, self.mixed is not None),
             groups=self.plan.param_groups,
             learned=learned,
+            fixed_layout=self.config.bucket_layout == "fixed",
         )
         return reducer
 

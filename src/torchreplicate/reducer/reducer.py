@@ -100,6 +100,7 @@ class Reducer:
             rows ([Note: tied parameters] in late_uses.py).
         groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
         learned: what the previous reducer of the module learned (a re-plan).
+        fixed_layout: never reorder or resize the buckets ([Note: fixed layout] in tuning.py).
 
     Raises:
         ValueError: a parameter carries a post-accumulate-grad hook of its own.
@@ -122,6 +123,7 @@ class Reducer:
         tied: frozenset[int] = frozenset(),
         groups: Optional[Sequence[int]] = None,
         learned: Optional[Learned] = None,
+        fixed_layout: bool = False,
     ) -> None:
         learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
@@ -133,7 +135,7 @@ class Reducer:
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
         self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied])
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
-        self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes)
+        self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes, fixed_layout)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
         self.in_backward_optimizer_slots = take_over_in_backward_optimizers(self.slots)
         # - Reduction: how buckets travel; the flags ride with the last bucket

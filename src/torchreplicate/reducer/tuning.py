@@ -38,6 +38,16 @@ model's are also the ones whose cost decides the choice.
 Both go through ``plan_buckets`` to a new bucket layout; slots, learned
 counts and ``.grad`` values carry over. Every rank takes the same decision
 from the same numbers, so the collective sequence stays one.
+
+[Note: fixed layout]
+What the first step learns is agreed among the ranks that took it. A
+replica that joins a running job later (torchft: a new replica group heals
+from a live peer and starts reducing with it at once) would still be on the
+unlearned layout while its peers are on the learned one: buckets of other
+sizes in the same all-reduce. ``replicate(bucket_layout="fixed")`` keeps the
+layout a pure function of the parameters and the options: reverse
+registration order, the caps given (``bucket_cap_mb`` is required), no link
+measurement, no rebuild, ever; the same on every replica whenever it starts.
 """
 
 from __future__ import annotations
@@ -165,6 +175,8 @@ class LayoutPolicy:
         groups: per slot index (all slots), its nested-replicate group (bucket_plan.py), or None.
         cap_bytes: the bucket cap; None: ``DEFAULT_CAP`` until the first step measured the link.
         first_cap_bytes: the first bucket's cap.
+        fixed: keep reverse registration order and the caps given, learn nothing
+            (``replicate(bucket_layout="fixed")``: [Note: fixed layout]).
     """
 
     def __init__(
@@ -173,13 +185,16 @@ class LayoutPolicy:
         groups: Optional[Sequence[int]],
         cap_bytes: Optional[int],
         first_cap_bytes: int,
+        fixed: bool = False,
     ) -> None:
         # - Configuration
         self.dense = list(dense)
         self.groups = None if groups is None else [groups[slot.index] for slot in self.dense]  # per dense slot
+        assert not (fixed and cap_bytes is None), "config.py refuses a fixed layout without a cap"
         self.tune_cap = cap_bytes is None  # measure the link in the first step and choose the cap
-        # - Learned in the first synchronised step ([Note: tuning])
-        self.learned = False  # the launch order (and cap) are learned in the first synchronised step
+        # - Learned in the first synchronised step ([Note: tuning]); a fixed
+        #   layout starts out learned, so it never learns or rebuilds
+        self.learned = fixed  # the launch order (and cap) are learned in the first synchronised step
         self.cap_bytes = DEFAULT_CAP if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
