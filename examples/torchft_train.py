@@ -17,7 +17,7 @@ prints the step, whether it was committed and how many replica groups took
 part; at the end each replica prints a checksum of its parameters (the
 same on every replica that finished together).
 
-Needs ``pip install "torchreplicate[torchft]"``. See docs/torchft.md.
+Needs ``pip install ".[torchft]" in a clone``. See docs/torchft.md.
 """
 
 from __future__ import annotations

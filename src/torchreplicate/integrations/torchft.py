@@ -5,7 +5,7 @@ reduced across replica groups by torchft's ``Manager.allreduce`` (a comm
 hook, as ``torchft.ddp.DistributedDataParallel`` does), so a step that lost a
 peer is dropped by ``manager.should_commit()`` instead of raising, and a new
 or restarted replica group heals from a live peer through the Manager.
-Needs the ``torchft`` package (``pip install "torchreplicate[torchft]"``);
+Needs the ``torchft`` package (``pip install ".[torchft]" in a clone``);
 checked with torchft 0.2.0 and torch 2.13 (gloo, CPU).
 
 [Note: torchft]
