@@ -57,6 +57,25 @@ def test_buffers_left_alone_when_asked(pools):
     pools.run(2, train_batchnorm, broadcast_buffers=False)
 
 
+def set_up_buffers(rank, world_size, *, broadcast_buffers):
+    """At set-up, as DDP: rank 0's buffers everywhere, or each rank's own when broadcast_buffers=False."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours, theirs = seeded(Norms, 0), seeded(Norms, 0)
+    for model in (ours, theirs):
+        model.bn.running_mean.fill_(float(rank))  # per-rank statistics, as after local warm-up
+    replicate(ours, broadcast_buffers=broadcast_buffers)
+    DDP(theirs, broadcast_buffers=broadcast_buffers)
+    expected = 0.0 if broadcast_buffers else float(rank)
+    assert ours.bn.running_mean.eq(expected).all(), f"rank {rank}: {ours.bn.running_mean}"
+    assert torch.equal(ours.bn.running_mean, theirs.bn.running_mean), f"rank {rank}: ours differs from DDP's"
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_set_up_syncs_buffers_as_ddp(pools, broadcast_buffers):
+    pools.run(2, set_up_buffers, broadcast_buffers=broadcast_buffers)
+
+
 def sync_batchnorm_trains(rank, world_size):
     # On the GPU (the test pool's gloo group carries CUDA tensors for SyncBatchNorm's all-gather)
     device = torch.device("cuda", rank % torch.cuda.device_count())

@@ -16,11 +16,13 @@ from torchreplicate.reducer.tuning import (
     MAX_CAP,
     MIN_CAP,
     TIMINGS_BYTES,
+    LayoutPolicy,
     LinkModel,
     calibration_sizes,
     choose_cap,
     fit_link,
     readiness_order,
+    schedule,
 )
 
 DIM = 16
@@ -288,3 +290,37 @@ def test_calibration_sends_at_most_the_models_gradient_bytes(pools, model_name):
     else:  # the first step and the retune at step 6, each within one step's traffic
         assert len(r.measurements) == 2 and all(0 < sent <= r.grad_bytes for sent in r.measurements), r
         assert MIN_CAP <= r.cap_bytes <= MAX_CAP, r
+
+
+def _gpt_like_policy(bytes_per_s: float) -> LayoutPolicy:
+    # A tied table (8 MiB, position 0) ready first with the split, then 18 layers of 1 MiB over
+    # 120 ms of backward: the first step as the forward's detached lookup makes it.
+    from torchreplicate.reducer.bucket import make_slots
+
+    params = [nn.Parameter(torch.zeros(2 * 2**20))] + [nn.Parameter(torch.zeros(2**18)) for _ in range(18)]
+    policy = LayoutPolicy(make_slots(params, [f"p{i}" for i in range(19)], {}), None, None, 2**20)
+    policy.learned = True
+    policy.order = list(range(19))
+    policy.ready_s = [0.0] + [0.12 * (i + 1) / 18 for i in range(18)]
+    policy.end_s = 0.121
+    policy.link = LinkModel(latency_s=0.0005, bytes_per_s=bytes_per_s)
+    policy.lengths = schedule(policy)
+    return policy
+
+
+@pytest.mark.parametrize(
+    "bytes_per_s,pays",
+    [
+        (12.5e6, False),  # 100 Mbit: the link is the step; rows sent after it are bytes sent twice
+        (1.25e9, True),  # 10 Gbit: backward is the step; the table would wait for its end
+    ],
+)
+def test_the_tied_split_is_kept_only_where_it_pays(bytes_per_s, pays):
+    from torchreplicate.reducer.tuning import keep_whole, split_pays
+
+    policy = _gpt_like_policy(bytes_per_s)
+    rows_bytes = 512 * 1024  # the rows the batch's tokens touched
+    assert split_pays(policy, [0], rows_bytes) is pays
+    keep_whole(policy, [0])
+    assert policy.order[-1] == 0 and policy.ready_s[-1] == policy.end_s, "the table last, ready at the end"
+    assert policy.lengths is not None and sum(policy.lengths) == 19

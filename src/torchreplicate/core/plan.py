@@ -185,10 +185,12 @@ def describe_change(old: Plan, new: Plan, most: int = 3) -> str:
     return ", ".join(changes[:most]) + more
 
 
-def new_tensors(old: Plan, new: Plan) -> list[torch.Tensor]:
-    """Candidates and buffers in ``new`` that ``old`` did not hold: what a re-plan broadcasts."""
+def new_tensors(old: Plan, new: Plan, buffers: bool = True) -> list[torch.Tensor]:
+    """Candidates (and, with ``buffers``, buffers) in ``new`` that ``old`` did not hold: what a re-plan broadcasts."""
     old_params = {id(p) for p in old.candidates}
     fresh: list[torch.Tensor] = [local(p).detach() for p in new.candidates if id(p) not in old_params]
+    if not buffers:
+        return fresh
     old_buffers = set(_buffer_keys(old.buffers))
     values = new.buffer_values()
     fresh += [b for key, b in zip(_buffer_keys(new.buffers), values, strict=True) if key not in old_buffers]

@@ -291,7 +291,9 @@ class ReplicateState:
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        self._install_plan(plan, [local(p).detach() for p in plan.candidates] + plan.buffer_values() + [token], token)
+        # buffers only with broadcast_buffers, as DDP's set-up sync (torch 2.13 _sync_module_states)
+        buffers = plan.buffer_values() if self.config.broadcast_buffers else []
+        self._install_plan(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
@@ -327,7 +329,7 @@ class ReplicateState:
         self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
         watch = self.probe.watch
         try:
-            self._install_plan(plan, new_tensors(self.plan, plan))
+            self._install_plan(plan, new_tensors(self.plan, plan, self.config.broadcast_buffers))
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):
                 raise

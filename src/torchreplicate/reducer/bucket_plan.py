@@ -156,6 +156,19 @@ def schedule_lengths(
     max_bytes: int,
     min_bytes: int = 0,
 ) -> list[int]:
+    """Bucket lengths along the launch order that finish the last transfer soonest (``best_schedule``)."""
+    return best_schedule(nbytes, ready_s, end_s, latency_s, bytes_per_s, max_bytes, min_bytes)[0]
+
+
+def best_schedule(
+    nbytes: Sequence[int],
+    ready_s: Sequence[float],
+    end_s: float,
+    latency_s: float,
+    bytes_per_s: float,
+    max_bytes: int,
+    min_bytes: int = 0,
+) -> tuple[list[int], float]:
     """Bucket lengths along the launch order that finish the last transfer soonest; pure.
 
     [Note: buckets from the schedule]
@@ -182,13 +195,14 @@ def schedule_lengths(
             the fitted latency does not show, competes with backward on the CPU).
 
     Returns:
-        The number of parameters in each bucket, in launch order (sums to ``len(nbytes)``).
+        The number of parameters in each bucket, in launch order (sums to
+        ``len(nbytes)``), and when the last transfer ends (seconds).
     """
     import numpy as np
 
     count = len(nbytes)
     if count == 0:
-        return []
+        return [], end_s
     ready = np.maximum.accumulate(np.asarray(ready_s, dtype=np.float64))
     sizes = np.concatenate([[0.0], np.cumsum(np.asarray(nbytes, dtype=np.float64))])
     finish = np.zeros(count + 1)  # finish[i]: soonest end of the buckets holding the first i parameters
@@ -213,4 +227,4 @@ def schedule_lengths(
     while i > 0:
         lengths.append(i - int(start_of[i]))
         i = int(start_of[i])
-    return lengths[::-1]
+    return lengths[::-1], float(finish[count])

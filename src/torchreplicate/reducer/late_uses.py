@@ -49,6 +49,7 @@ class LateUses:
     def __init__(self, slots: Sequence[ParamSlot]) -> None:
         self.slots = list(slots)
         self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
+        self.rows_bytes = 0  # what the last round sent in rows (the same on every rank)
 
     def keep(self, index: int, grad: torch.Tensor) -> None:
         """Adds a detached use's gradient of slot ``index`` to what the next round reduces."""
@@ -100,7 +101,12 @@ class LateUses:
             if grad is not None:
                 piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
         all_reduce(mask, group, timeout)
-        return [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]
+        rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]
+        self.rows_bytes = sum(
+            picked.numel() * _row_shape(slot.param)[0] * slot.param.element_size()
+            for slot, picked in zip(self.slots, rows, strict=True)
+        )
+        return rows
 
 
 def _num_rows(param: torch.Tensor) -> int:

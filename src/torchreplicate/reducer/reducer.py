@@ -416,6 +416,13 @@ class Reducer:
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns)
+            if self.late_uses.slots and policy.lengths is not None:
+                position = {id(slot): i for i, slot in enumerate(policy.dense)}
+                tied = [position[id(slot)] for slot in self.late_uses.slots]
+                if not tuning.split_pays(policy, tied, self.late_uses.rows_bytes):
+                    self.late_uses = LateUses(())  # the forward stops detaching (core/tied.py)
+                    tuning.keep_whole(policy, tied)
+                    rebuild = True
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.bucket_plan import BucketSpec, plan_buckets, schedule_lengths
+from torchreplicate.reducer.bucket_plan import BucketSpec, best_schedule, plan_buckets
 from torchreplicate.reducer.dtensors import local
 
 MiB = 1024 * 1024
@@ -273,20 +273,67 @@ def schedule(policy: LayoutPolicy) -> Optional[list[int]]:
     and every dense gradient shares one dtype, device and group (a bucket
     holds one of each; the cap's plan handles mixtures).
     """
-    if policy.link is None or policy.ready_s is None or policy.order is None or not any(policy.ready_s):
+    best = _best(policy, policy.order, policy.ready_s)
+    return None if best is None else best[0]
+
+
+def _best(
+    policy: LayoutPolicy, order: Optional[Sequence[int]], ready_s: Optional[Sequence[float]]
+) -> Optional[tuple[list[int], float]]:
+    # The schedule's lengths and finish for this order and readiness, or None where it does not apply.
+    if policy.link is None or ready_s is None or order is None or not any(ready_s):
         return None
     params = [local(slot.param) for slot in policy.dense]
     if len({(p.dtype, p.device) for p in params}) != 1 or len(set(policy.groups or [0])) != 1:
         return None
-    return schedule_lengths(
-        [params[i].numel() * params[i].element_size() for i in policy.order],
-        [t * SCHEDULE_SLACK for t in policy.ready_s],
+    return best_schedule(
+        [params[i].numel() * params[i].element_size() for i in order],
+        [t * SCHEDULE_SLACK for t in ready_s],
         policy.end_s * SCHEDULE_SLACK,
         policy.link.latency_s,
         policy.link.bytes_per_s,
         MAX_CAP,
         MIN_CAP,
     )
+
+
+def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bool:
+    """Whether reducing tied parameters' detached uses apart ends the step sooner; pure in agreed numbers.
+
+    [Note: tied parameters] in late_uses.py. With the split (how the first
+    step ran), the tied parameters are ready early and the rows round adds
+    two collectives and ``rows_bytes`` after the buckets; without it they
+    are ready at the end of backward, whole. The schedule ([Note: buckets
+    from the schedule]) prices both on the measured link: on a link slower
+    than backward the early bucket only queues, and the rows are bytes sent
+    twice. True where the schedule does not apply (nothing to price it with).
+
+    Args:
+        policy: the layout policy, learned (order, readiness, link).
+        tied: positions in ``policy.dense`` of the tied parameters.
+        rows_bytes: bytes the first step's rows round sent (every rank's the same).
+    """
+    with_split = _best(policy, policy.order, policy.ready_s)
+    if with_split is None or policy.order is None or policy.ready_s is None or policy.link is None:
+        return True
+    late = set(tied)
+    kept = [(i, t) for i, t in zip(policy.order, policy.ready_s, strict=True) if i not in late]
+    order = [i for i, _ in kept] + [i for i in policy.order if i in late]
+    ready = [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
+    whole = _best(policy, order, ready)
+    assert whole is not None, "the same policy, another order"
+    rows_s = 2 * policy.link.latency_s + rows_bytes / policy.link.bytes_per_s
+    return with_split[1] + rows_s < whole[1]
+
+
+def keep_whole(policy: LayoutPolicy, tied: Sequence[int]) -> None:
+    """Moves the tied parameters to the end of the launch order, ready at the end of backward, and re-plans."""
+    assert policy.order is not None and policy.ready_s is not None
+    late = set(tied)
+    kept = [(i, t) for i, t in zip(policy.order, policy.ready_s, strict=True) if i not in late]
+    policy.order = [i for i, _ in kept] + [i for i in policy.order if i in late]
+    policy.ready_s = [t for _, t in kept] + [policy.end_s] * (len(policy.order) - len(kept))
+    policy.lengths = schedule(policy)
 
 
 def cap_changes_layout(policy: LayoutPolicy) -> bool:
