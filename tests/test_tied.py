@@ -192,3 +192,17 @@ def copies(rank: int, world_size: int) -> None:
 
 def test_tied_model_copies(pools):
     pools.run(2, copies)
+
+
+def profiled(rank: int, world_size: int) -> None:
+    model = seeded(TinyGPT, 2)
+    replicate(model)
+    t = tokens_of(rank, 0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(model(t), t).backward()
+    names = {event.name for event in prof.events()}
+    assert "torchreplicate::tied_rows" in names, sorted(n for n in names if n.startswith("torchreplicate"))
+
+
+def test_tied_rows_round_under_the_profiler(pools):
+    pools.run(2, profiled)

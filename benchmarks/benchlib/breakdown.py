@@ -53,7 +53,7 @@ CALIBRATION = "benchlib::calibrate"  # parent of the calibration's labels, so th
 # What an engine with replicate() and a reducer records in every static synchronised step.
 EXPECTED_PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize")
 # late_round runs only when a gradient arrives after its bucket left: never in these static steps.
-ALL_PHASES = EXPECTED_PHASES + ("late_round",)
+ALL_PHASES = EXPECTED_PHASES + ("late_round", "tied_rows")
 _COLLECTIVE_OPS = ("c10d::", "gloo:")  # children of a launch that enqueue the collective
 
 

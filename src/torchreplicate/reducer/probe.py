@@ -35,7 +35,7 @@ from torchreplicate.torch_internals import profiler_active
 F = TypeVar("F", bound=Callable[..., Any])
 
 PREFIX = "torchreplicate::"
-PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round")
+PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round", "tied_rows")
 _NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
