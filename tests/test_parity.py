@@ -92,10 +92,25 @@ def test_parity_tiny_buckets(pools, model_name, as_view, set_to_none):
     assert first.grads_are_views is as_view
 
 
-def test_wide_model_has_several_default_buckets(pools):
-    first = pools.run(2, train_against_reference, "wide", steps=2)[0]
+def wide_layouts(rank: int, world_size: int) -> tuple[int, list[int], int]:
+    build, make_batch, loss_of = MODELS["wide"]
+    model = replicate(seeded(build, 1))
+    reducer = replicate.state(model).reducer
+    before = len(reducer.buckets)
+    for step in range(2):
+        batch = local_shard(make_batch(torch.Generator().manual_seed(step), PER_RANK * world_size), rank)
+        loss_of(model(batch), batch).backward()
+    sizes = [bucket.grads.numel() * bucket.grads.element_size() for bucket in reducer.buckets]
+    return before, sizes, reducer.layout_policy.cap_bytes
+
+
+def test_wide_model_buckets_default_then_tuned(pools):
+    before, sizes, cap = pools.run(2, wide_layouts)[0]
     # 16 x 256 KiB weights: a 1 MiB first bucket, then 25 MiB caps -> more than one bucket
-    assert first.num_buckets >= 2
+    assert before >= 2
+    # after the first step: the schedule's buckets, none but the first under the tuned cap
+    # (or the whole rest of the model)
+    assert all(size >= min(cap, sum(sizes[1:])) for size in sizes[1:]), (sizes, cap)
 
 
 def test_parity_three_ranks_tiny_buckets(pools):

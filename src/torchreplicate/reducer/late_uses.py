@@ -29,6 +29,7 @@ too (``shadow``).
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -50,6 +51,7 @@ class LateUses:
         self.slots = list(slots)
         self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
         self.rows_bytes = 0  # what the last round sent in rows (the same on every rank)
+        self.round_ns = 0  # how long the last round took here
 
     def keep(self, index: int, grad: torch.Tensor) -> None:
         """Adds a detached use's gradient of slot ``index`` to what the next round reduces."""
@@ -67,6 +69,7 @@ class LateUses:
         Called on every rank at the end of a synchronised backward, after the
         buckets (step.py). Rows no rank touched are not sent.
         """
+        started = time.perf_counter_ns()
         kept, self.kept = self.kept, {}
         rows = self._agree_rows(group, timeout, kept)
         for slot, picked in zip(self.slots, rows, strict=True):
@@ -82,6 +85,7 @@ class LateUses:
             if param.grad is None:  # used only through the detached use, on every rank
                 param.grad = torch.zeros_like(param)
             _add_rows(param.grad, picked, mean)
+        self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
     def shadow(self, group: dist.ProcessGroup, timeout: Optional[timedelta] = None) -> None:

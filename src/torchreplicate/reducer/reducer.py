@@ -415,7 +415,8 @@ class Reducer:
         """
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
-            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns)
+            rows_ns = self.late_uses.round_ns if self.late_uses.slots else 0
+            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, rows_ns)
             if self.late_uses.slots and policy.lengths is not None:
                 position = {id(slot): i for i, slot in enumerate(policy.dense)}
                 tied = [position[id(slot)] for slot in self.late_uses.slots]

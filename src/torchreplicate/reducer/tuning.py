@@ -123,14 +123,18 @@ def readiness_order(first_ready: Sequence[int], num_params: int) -> list[int]:
 
 @torch.no_grad()
 def agree_order(
-    order: Sequence[int], group: dist.ProcessGroup, device: torch.device, ready_us: Sequence[int], end_us: int
-) -> tuple[list[int], list[int], int]:
-    """Group rank 0's order, readiness and end of backward (microseconds), on every rank (one broadcast)."""
-    tensor = torch.tensor([*order, *ready_us, end_us], dtype=torch.int64, device=device)
+    order: Sequence[int],
+    group: dist.ProcessGroup,
+    device: torch.device,
+    ready_us: Sequence[int],
+    times_us: Sequence[int],
+) -> tuple[list[int], list[int], list[int]]:
+    """Group rank 0's order, readiness and other times (microseconds), on every rank (one broadcast)."""
+    tensor = torch.tensor([*order, *ready_us, *times_us], dtype=torch.int64, device=device)
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
     values = [int(i) for i in tensor.tolist()]
     count = len(order)
-    return values[:count], values[count : 2 * count], values[-1]
+    return values[:count], values[count : 2 * count], values[2 * count :]
 
 
 def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
@@ -204,6 +208,7 @@ class LayoutPolicy:
         # ended (seconds from the first; group rank 0's), for the schedule's buckets
         self.ready_s: Optional[list[float]] = None
         self.end_s = 0.0
+        self.rows_s = 0.0  # how long the first step's rows round of tied parameters took (late_uses.py)
         self.lengths: Optional[list[int]] = None  # bucket lengths along `order` from the schedule, or None
 
     @property
@@ -293,7 +298,7 @@ def _best(
         policy.link.latency_s,
         policy.link.bytes_per_s,
         MAX_CAP,
-        MIN_CAP,
+        max(MIN_CAP, policy.cap_bytes),  # never smaller than the cap's own buckets: fewer, never more
     )
 
 
@@ -322,7 +327,9 @@ def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bo
     ready = [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
     whole = _best(policy, order, ready)
     assert whole is not None, "the same policy, another order"
-    rows_s = 2 * policy.link.latency_s + rows_bytes / policy.link.bytes_per_s
+    # the round as the link model prices it, or as long as it took in the first step (its CPU
+    # work too: the mask over the table, the rows picked and added), whichever is longer
+    rows_s = max(2 * policy.link.latency_s + rows_bytes / policy.link.bytes_per_s, policy.rows_s)
     return with_split[1] + rows_s < whole[1]
 
 
@@ -358,6 +365,7 @@ def learn_layout(
     like: torch.Tensor,
     ready_ns: Sequence[int] = (),
     end_ns: int = 0,
+    rows_ns: int = 0,
 ) -> bool:
     """Fills ``policy`` with the agreed launch order and, when tuned, the cap and schedule; whether to rebuild.
 
@@ -368,6 +376,7 @@ def learn_layout(
         like: a tensor on the device and of the dtype the buckets use.
         ready_ns: ``time.perf_counter_ns()`` of each of ``first_ready`` (empty: not known here).
         end_ns: the same clock when backward ended.
+        rows_ns: how long the tied parameters' rows round took (late_uses.py), or 0.
     """
     policy.learned = True
     if not policy.dense:
@@ -378,8 +387,10 @@ def learn_layout(
     order = readiness_order(ready, len(policy.dense))
     start = min(when.values(), default=end_ns)
     ready_us = [(when.get(i, end_ns) - start) // 1000 if when else 0 for i in order]
-    policy.order, agreed_us, end_us = agree_order(order, group, like.device, ready_us, (end_ns - start) // 1000)
-    policy.ready_s, policy.end_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6
+    policy.order, agreed_us, (end_us, rows_us) = agree_order(
+        order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000]
+    )
+    policy.ready_s, policy.end_s, policy.rows_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6, rows_us * 1e-6
     policy.cap_changes_layout = cap_changes_layout(policy)
     if policy.tune_cap and policy.cap_changes_layout:
         policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
