@@ -417,10 +417,11 @@ class Reducer:
         if not policy.learned:
             rows_ns = self.late_uses.round_ns if self.late_uses.slots else 0
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, rows_ns)
-            if self.late_uses.slots and policy.link is not None:
+            if self.late_uses.slots and policy.tune_cap:
+                # kept only where the link is the step and the split pays ([Note: tied parameters])
                 position = {id(slot): i for i, slot in enumerate(policy.dense)}
                 tied = [position[id(slot)] for slot in self.late_uses.slots]
-                if not tuning.split_pays(policy, tied, self.late_uses.rows_bytes):
+                if policy.lengths is None or not tuning.split_pays(policy, tied, self.late_uses.rows_bytes):
                     self.late_uses = LateUses(())  # the forward stops detaching (core/tied.py)
                     tuning.keep_whole(policy, tied)
                     rebuild = True
