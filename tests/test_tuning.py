@@ -316,7 +316,7 @@ def _gpt_like_policy(bytes_per_s: float) -> LayoutPolicy:
     ],
 )
 def test_the_tied_split_is_kept_only_where_it_pays(bytes_per_s, pays):
-    from torchreplicate.reducer.tuning import keep_whole, split_pays
+    from torchreplicate.reducer.schedule import keep_whole, split_pays
 
     policy = _gpt_like_policy(bytes_per_s)
     rows_bytes = 512 * 1024  # the rows the batch's tokens touched

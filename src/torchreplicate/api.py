@@ -220,8 +220,7 @@ def replicate(
     After every ``backward()``, each replicated parameter's ``.grad`` is the
     mean of all ranks' gradients. The module keeps its identity, its
     ``state_dict`` keys and its behaviour; its class becomes a subclass that
-    adds ``set_requires_gradient_sync``, ``no_sync``, ``register_comm_hook``
-    and ``join`` (``ReplicateModule``).
+    adds ``set_requires_gradient_sync``, ``no_sync``, ``register_comm_hook`` and ``join``.
     Parameters are checked across ranks and broadcast from rank 0 here; if
     ``fully_shard`` is applied to children afterwards, the first forward
     re-plans without them. Call on every rank, after ``init_process_group``.

@@ -291,8 +291,7 @@ class ReplicateState:
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        # buffers only with broadcast_buffers, as DDP's set-up sync (torch 2.13 _sync_module_states)
-        buffers = plan.buffer_values() if self.config.broadcast_buffers else []
+        buffers = plan.buffer_values() if self.config.broadcast_buffers else []  # as DDP's _sync_module_states
         self._install_plan(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
     def stamp(self) -> tuple[int, ...]:
@@ -367,13 +366,10 @@ class ReplicateState:
         self.tied.install(self.module, self.reducer)
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
-        """A reducer for the current plan, with this module's options (what a re-plan builds).
+        """A reducer for the current plan and options, handed what the previous one ``learned`` (or None).
 
         The state keeps the one it builds itself; the benchmark builds one at
         world size 1 (where ``replicate()`` builds none) to time its bookkeeping.
-
-        Args:
-            learned: what the previous reducer learned, or None.
         """
         reducer = Reducer(
             self.plan.params,

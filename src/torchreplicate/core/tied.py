@@ -163,4 +163,4 @@ def _arrived(reducer: Reducer, index: int, copy: torch.Tensor) -> None:
     grad = copy.grad
     if grad is not None:
         copy.grad = None
-        reducer.detached_use(index, grad)
+        reducer.late_uses.arrive(reducer.slots[index], grad, reducer.sync.on, reducer.layout)

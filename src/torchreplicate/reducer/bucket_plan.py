@@ -11,6 +11,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 MiB = 1024 * 1024
+MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
+MAX_CAP = 64 * MiB  # no bucket larger (tuned caps, the schedule)
 
 
 class BucketSpec(NamedTuple):

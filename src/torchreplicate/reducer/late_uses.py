@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.grad_layout import GradLayout
 
 
 class LateUses:
@@ -66,6 +67,20 @@ class LateUses:
         """Adds a detached use's gradient of slot ``index`` to what the next round reduces."""
         kept = self.kept.get(index)
         self.kept[index] = grad.detach() if kept is None else kept + grad.detach()
+
+    @torch.no_grad()
+    def arrive(self, slot: ParamSlot, grad: torch.Tensor, syncs: bool, layout: GradLayout) -> None:
+        """A detached use's gradient: kept for the rows round, or, with gradient sync off
+        (``no_sync``), accumulated into ``.grad`` as the use itself would have been."""
+        if syncs:
+            self.keep(slot.index, grad)
+            return
+        param = slot.param
+        if param.grad is None:
+            param.grad = grad.detach()
+        else:
+            param.grad.add_(grad)
+        layout.keep_local(slot)
 
     def mask_bytes(self) -> int:
         """Bytes of the rows mask each round all-reduces."""

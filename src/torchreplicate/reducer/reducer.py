@@ -67,6 +67,7 @@ from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
+from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.step import (
     StepPhase,
@@ -87,8 +88,7 @@ class Reducer:
         params: the parameters to reduce, in registration order.
         names: their fully qualified names, for error messages.
         group: the process group to reduce over.
-        bucket_cap_bytes: bucket size cap; None: measured and chosen in the first
-            synchronised step ([Note: tuning] in tuning.py).
+        bucket_cap_bytes: bucket size cap; None: tuned in the first step ([Note: tuning] in tuning.py).
         first_bucket_cap_bytes: cap of the first bucket.
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
@@ -96,8 +96,7 @@ class Reducer:
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
         sparse: identities of the parameters with sparse gradients (sparse.py).
-        tied: identities of the parameters whose detached uses are reduced by
-            rows ([Note: tied parameters] in late_uses.py).
+        tied: identities of the tied parameters to split ([Note: tied parameters] in late_uses.py).
         groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
         learned: what the previous reducer of the module learned (a re-plan).
         fixed_layout: never reorder or resize the buckets ([Note: fixed layout] in tuning.py).
@@ -185,9 +184,7 @@ class Reducer:
         wire = self.reduction.wire_bytes(self.buckets)
         if late:
             wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
-        if self.late_uses.slots:
-            wire += self.late_uses.mask_bytes()  # and the rows some rank touched
-        return wire
+        return wire + self.late_uses.mask_bytes()  # and the rows some rank touched
 
     # -- set-up ----------------------------------------------------------------
 
@@ -198,11 +195,7 @@ class Reducer:
             slot.hook = slot.param.register_post_accumulate_grad_hook(functools.partial(hook, slot))
 
     def use_reduction(self, reduction: Reduction) -> None:
-        """Switches to another reduction (a comm hook registered); only before the first step.
-
-        Raises:
-            RuntimeError: a synchronised step already ran.
-        """
+        """Switches to another reduction (a comm hook registered); before the first step, else RuntimeError."""
         if self.num_steps > 0:
             raise RuntimeError(
                 f"register_comm_hook(): training already ran {self.num_steps} synchronised "
@@ -302,24 +295,6 @@ class Reducer:
             if pending[index] == 0:
                 self._launch_ready(step)
 
-    @torch.no_grad()
-    def detached_use(self, index: int, grad: torch.Tensor) -> None:
-        """The gradient of a tied parameter's detached use ([Note: tied parameters] in late_uses.py).
-
-        Kept for the end of backward's rows round; with gradient sync off
-        (``no_sync``), accumulated into ``.grad`` as the use itself would have been.
-        """
-        if self.sync.on:
-            self.late_uses.keep(index, grad)
-            return
-        slot = self.slots[index]
-        param = slot.param
-        if param.grad is None:
-            param.grad = grad.detach()
-        else:
-            param.grad.add_(grad)
-        self.layout.keep_local(slot)
-
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
         if not self.sync.on:
@@ -402,29 +377,15 @@ class Reducer:
         self.learn_layout(step.first_ready, step.first_ready_ns, end_ns)
 
     def learn_layout(self, first_ready: Sequence[int], ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
-        """After a synchronised step: the first one learns launch order and cap, every
-        ``RETUNE_EVERY``-th measures the link again; the buckets follow ([Note: tuning]).
-
-        Called on every rank at the same point: the end of a synchronised
-        backward, or its shadow on a rank that joined.
-
-        Args:
-            first_ready: slot indices in the order they first got a gradient here.
-            ready_ns: when each did (``time.perf_counter_ns()``); empty where not known.
-            end_ns: when that backward ended, on the same clock.
-        """
+        """After a synchronised step (or its shadow, on a rank that joined), on every rank: the first
+        learns launch order, cap and schedule from ``first_ready`` (slot indices) and ``ready_ns``
+        (``time.perf_counter_ns()`` of each, until ``end_ns``); every ``RETUNE_EVERY``-th measures
+        the link again; the buckets follow ([Note: tuning])."""
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
-            rows_ns = self.late_uses.round_ns if self.late_uses.slots else 0
-            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, rows_ns)
-            if self.late_uses.slots and policy.tune_cap:
-                # kept only where the link is the step and the split pays ([Note: tied parameters])
-                position = {id(slot): i for i, slot in enumerate(policy.dense)}
-                tied = [position[id(slot)] for slot in self.late_uses.slots]
-                if policy.lengths is None or not tuning.split_pays(policy, tied, self.late_uses.rows_bytes):
-                    self.late_uses = LateUses(())  # the forward stops detaching (core/tied.py)
-                    tuning.keep_whole(policy, tied)
-                    rebuild = True
+            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.late_uses.round_ns)
+            if settle_tied(policy, self.late_uses):  # the split dropped: the forward stops detaching
+                self.late_uses, rebuild = LateUses(()), True
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
