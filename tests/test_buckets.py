@@ -149,7 +149,7 @@ def test_schedule_is_the_best_layout_of_all(seed):
     # and none that ends as soon has fewer buckets
     import random
 
-    from torchreplicate.reducer.bucket_plan import schedule_lengths
+    from torchreplicate.reducer.bucket_plan import best_schedule
 
     rng = random.Random(seed)
     count = rng.randint(1, 8)
@@ -157,7 +157,7 @@ def test_schedule_is_the_best_layout_of_all(seed):
     ready = sorted(rng.uniform(0, 0.05) for _ in range(count))
     end = ready[-1] + rng.uniform(0, 0.01)
     latency, bandwidth = rng.choice([1e-5, 1e-3]), rng.choice([125e6, 1.25e9, 12.5e9])
-    lengths = schedule_lengths(nbytes, ready, end, latency, bandwidth, 64 * MiB)
+    lengths = best_schedule(nbytes, ready, end, latency, bandwidth, 64 * MiB)[0]
     assert sum(lengths) == count and all(length > 0 for length in lengths)
     got = _simulate(lengths, nbytes, ready, end, latency, bandwidth)
     for other in _every_layout(count):
@@ -168,14 +168,14 @@ def test_schedule_is_the_best_layout_of_all(seed):
 
 
 def test_schedule_follows_the_link():
-    from torchreplicate.reducer.bucket_plan import schedule_lengths
+    from torchreplicate.reducer.bucket_plan import best_schedule
 
     nbytes, ready = [4 * MiB] * 8, [0.005 * i for i in range(8)]
-    slow = schedule_lengths(nbytes, ready, 0.04, 1e-3, 125e6, 64 * MiB)  # 1 Gbit: each bucket waits for the link
-    fast = schedule_lengths(nbytes, ready, 0.04, 1e-4, 10e9, 64 * MiB)  # 80 Gbit: the link waits for backward
+    slow = best_schedule(nbytes, ready, 0.04, 1e-3, 125e6, 64 * MiB)[0]  # 1 Gbit: each bucket waits for the link
+    fast = best_schedule(nbytes, ready, 0.04, 1e-4, 10e9, 64 * MiB)[0]  # 80 Gbit: the link waits for backward
     assert len(slow) < len(fast) == 8
     assert slow[0] == 1, "the first gradient leaves alone: the link starts as early as it can"
-    capped = schedule_lengths(nbytes, [0.0] * 8, 0.0, 1e-3, 125e6, 8 * MiB)
+    capped = best_schedule(nbytes, [0.0] * 8, 0.0, 1e-3, 125e6, 8 * MiB)[0]
     assert max(capped) <= 2, "no bucket over max_bytes"
-    tiny = schedule_lengths([64 * 1024] * 64, [0.001 * i for i in range(64)], 0.064, 1e-5, 10e9, 64 * MiB, MiB)
+    tiny = best_schedule([64 * 1024] * 64, [0.001 * i for i in range(64)], 0.064, 1e-5, 10e9, 64 * MiB, MiB)[0]
     assert all(length >= 16 for length in tiny[1:]), f"a bucket under min_bytes after the first: {tiny}"

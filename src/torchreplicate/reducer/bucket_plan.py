@@ -149,19 +149,6 @@ class _Filler:
             self.close(key)
 
 
-def schedule_lengths(
-    nbytes: Sequence[int],
-    ready_s: Sequence[float],
-    end_s: float,
-    latency_s: float,
-    bytes_per_s: float,
-    max_bytes: int,
-    min_bytes: int = 0,
-) -> list[int]:
-    """Bucket lengths along the launch order that finish the last transfer soonest (``best_schedule``)."""
-    return best_schedule(nbytes, ready_s, end_s, latency_s, bytes_per_s, max_bytes, min_bytes)[0]
-
-
 def best_schedule(
     nbytes: Sequence[int],
     ready_s: Sequence[float],
