@@ -188,3 +188,15 @@ def test_the_average_comes_back_in_the_bucket_dtype():
     wire = torch.full((3,), 0.5, dtype=torch.float64)
     result = ManagerFuture(_StubManager(), _Work(), wire, torch.float32).wait()
     assert result.dtype == torch.float32 and torch.equal(result, torch.full((3,), 0.5))
+
+
+def test_join_is_refused_naming_torchft(one_process_group):
+    # Join would only shadow collectives inside this one-process group: refused, not ignored.
+    from torch.distributed.algorithms.join import Join
+    from torchft.manager import Manager
+
+    model = replicate_ft(nn.Linear(2, 2), Manager.__new__(Manager))  # the Manager is not called before a step
+    with pytest.raises(RuntimeError, match=r"replicate_ft\(\): torch's Join does not apply across torchft"):
+        Join([model])
+    with pytest.raises(RuntimeError, match=r"drop the Join context"):
+        model.join()

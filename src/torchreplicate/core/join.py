@@ -75,6 +75,8 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
 
 def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinHook:
     """torch's ``join_hook(**options)`` for a replicated module: the hook, and the divisor it asks for."""
+    if state.join_refusal is not None:
+        raise RuntimeError(state.join_refusal)
     unknown = set(options) - {"divide_by_initial_world_size"}
     if unknown:
         raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")

@@ -101,6 +101,7 @@ class ReplicateState:
         # inside torch's Join with divide_by_initial_world_size=False: the sum is
         # divided by the ranks still training ([Note: join] in join.py)
         self.join_divides_by_training = False
+        self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
         # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
         self._handles = forward_hooks.ForwardHooks(self).install(module)
 

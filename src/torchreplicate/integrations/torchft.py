@@ -46,6 +46,7 @@ from torch import nn
 from torchft.manager import Manager  # type: ignore[import-untyped]  # torchft 0.2.0 ships no py.typed
 
 from torchreplicate.api import replicate
+from torchreplicate.core.registry import get_state
 
 __all__ = ["ManagerFuture", "ManagerHookState", "manager_allreduce_hook", "replicate_ft"]
 
@@ -139,6 +140,11 @@ def replicate_ft(
         init_sync=False,
     )
     module.register_comm_hook(ManagerHookState(manager, reduce_dtype), manager_allreduce_hook)  # type: ignore[operator]
+    get_state(module).join_refusal = (
+        "replicate_ft(): torch's Join does not apply across torchft replica groups (this module's process "
+        "group is this process alone); a replica group that runs out of data stops calling start_quorum() "
+        "and the others go on without it: drop the Join context"
+    )
     return module
 
 
