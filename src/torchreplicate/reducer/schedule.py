@@ -99,11 +99,7 @@ def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bo
     with_split = _best(policy, policy.order, policy.ready_s)
     if with_split is None or policy.order is None or policy.ready_s is None or policy.link is None:
         return True
-    late = set(tied)
-    kept = [(i, t) for i, t in zip(policy.order, policy.ready_s, strict=True) if i not in late]
-    order = [i for i, _ in kept] + [i for i in policy.order if i in late]
-    ready = [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
-    whole = _best(policy, order, ready)
+    whole = _best(policy, *_tied_last(policy, tied))
     assert whole is not None, "the same policy, another order"
     # the round as the link model prices it, or as long as it took in the first step (its CPU
     # work too: the mask over the table, the rows picked and added), whichever is longer
@@ -113,12 +109,17 @@ def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bo
 
 def keep_whole(policy: LayoutPolicy, tied: Sequence[int]) -> None:
     """Moves the tied parameters to the end of the launch order, ready at the end of backward, and re-plans."""
+    policy.order, policy.ready_s = _tied_last(policy, tied)
+    policy.lengths = schedule(policy)
+
+
+def _tied_last(policy: LayoutPolicy, tied: Sequence[int]) -> tuple[list[int], list[float]]:
+    # The launch order and readiness without the split: the tied parameters last, ready at the end.
     assert policy.order is not None and policy.ready_s is not None
     late = set(tied)
     kept = [(i, t) for i, t in zip(policy.order, policy.ready_s, strict=True) if i not in late]
-    policy.order = [i for i, _ in kept] + [i for i in policy.order if i in late]
-    policy.ready_s = [t for _, t in kept] + [policy.end_s] * (len(policy.order) - len(kept))
-    policy.lengths = schedule(policy)
+    order = [i for i, _ in kept] + [i for i in policy.order if i in late]
+    return order, [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
 
 
 def settle_tied(policy: LayoutPolicy, late_uses: LateUses) -> bool:
