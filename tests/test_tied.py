@@ -206,3 +206,61 @@ def profiled(rank: int, world_size: int) -> None:
 
 def test_tied_rows_round_under_the_profiler(pools):
     pools.run(2, profiled)
+
+
+class WideTiedLM(nn.Module):
+    """A 1 MiB tied table and four 256 KiB layers: a layout the cap changes, so the link is measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(4096, 64)
+        self.up = nn.Linear(64, 256)
+        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+        self.down = nn.Linear(256, 64)
+        self.head = nn.Linear(64, 4096, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.tanh(self.layers(self.up(self.wte(tokens))))))
+
+
+def scheduled_tied(rank: int, world_size: int, split_kept: bool) -> tuple[Optional[list[int]], int]:
+    """A slow link measured: the schedule's buckets, the split dropped (or kept), every step exact."""
+    from torchreplicate.reducer import schedule, tuning
+    from torchreplicate.reducer.tuning import LinkModel
+
+    saved = (tuning.measure_link, schedule.split_pays)
+    tuning.measure_link = lambda *args: LinkModel(
+        latency_s=0.0005, bytes_per_s=12.5e6
+    )  # 100 Mbit: the link is the step
+    if split_kept:
+        schedule.split_pays = lambda *args: True
+    try:
+        model = replicate(seeded(WideTiedLM, 11 + rank))
+        reference = seeded(WideTiedLM, 11)
+        reducer = replicate.state(model).reducer
+        for step in range(4):
+            tokens = [
+                torch.randint(0, 4096, (2, TOKENS), generator=torch.Generator().manual_seed(50 * step + r))
+                for r in range(world_size)
+            ]
+            loss_of(model(tokens[rank]), tokens[rank]).backward()
+            (sum(loss_of(reference(t), t) for t in tokens) / world_size).backward()
+            assert_grads_match(model, reference, f"rank {rank} step {step}")
+            sgd_step(model, reference, lr=0.1)
+            assert_replicas_identical(model, f"after step {step}")
+        assert reducer is replicate.state(model).reducer
+        assert bool(reducer.late_uses.slots) is split_kept, (
+            "the split dropped where it does not pay, kept where it does"
+        )
+        return reducer.layout_policy.lengths, len(reducer.buckets)
+    finally:
+        tuning.measure_link, schedule.split_pays = saved
+
+
+@pytest.mark.parametrize("split_kept", [False, True])
+def test_tied_under_the_schedule_matches_reference(pools, split_kept):
+    results = pools.run(2, scheduled_tied, split_kept=split_kept)
+    assert results[0] == results[1], f"ranks chose different layouts: {results}"
+    lengths, num_buckets = results[0]
+    assert lengths is not None and len(lengths) == num_buckets, "the schedule chose the buckets"
