@@ -23,7 +23,6 @@ import http.server
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+
+from harness import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 BROWSER_TIMEOUT_S = 120
@@ -186,24 +187,14 @@ def _chromium(*arguments: str, profile: Path) -> str:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         _missing("chromium")
-    process = subprocess.Popen(
-        [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *arguments],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, errors = process.communicate(timeout=BROWSER_TIMEOUT_S)
+    try:  # in its own session, killed whole (the browser and its helper processes) on timeout
+        done = run_command(
+            [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *arguments], timeout=BROWSER_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the browser and its helper processes
-        process.communicate()
         pytest.fail(f"chromium still running after {BROWSER_TIMEOUT_S} s: {arguments}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, f"chromium exited {process.returncode}: {errors[-3000:]}"
-    return output
+    assert done.returncode == 0, f"chromium exited {done.returncode}: {done.stderr[-3000:]}"
+    return done.stdout
 
 
 def _assert_real_screenshot(path: Path) -> None:
