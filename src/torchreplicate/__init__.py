@@ -5,6 +5,7 @@ every backward, each parameter's ``.grad`` is the mean over all ranks.
 """
 
 from torchreplicate.api import ReplicateModule, replicate
+from torchreplicate.checkpoint import load_ddp_state_dict
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.launcher import launch
@@ -23,6 +24,7 @@ __all__ = [
     "ReplicateState",
     "StepSummary",
     "launch",
+    "load_ddp_state_dict",
     "log_summary",
     "replicate",
     "trace",
