@@ -26,6 +26,8 @@ where DDP's would end, or where it could never finish:
   The operation stays in flight: the processes exit when gloo ends it (the
   group's timeout; at once when a peer's process ends first).
   A dead peer needs no timeout: gloo reports the closed connection at once.
+  On NCCL the CPU does not wait in ``Work.wait`` (it orders the stream), so
+  the waits are plain and the group's timeout (NCCL's own watchdog) rules.
 - The main thread notes where it is (``StallWatch.at``: forward, backward,
   bucket k, finalize, and the step), a few attribute writes per step.
 - A heartbeat thread copies that note, with a counter it increments, into
@@ -122,6 +124,10 @@ class StallWatch:
         # - Configuration
         self.timeout_s = timeout_s  # the first look at the peers, then at doubling intervals
         self.group_timeout_s = group_timeout(group)  # when the backend ends a collective (init_process_group)
+        # Waits in slices on gloo only, where Work.wait blocks the CPU and a timed wait leaves the
+        # operation unharmed (measured, torch 2.13). NCCL's wait only orders the stream (the CPU
+        # never waits there), and its timed wait may abort the communicator: plain waits.
+        self.sliced = dist.get_backend(group) == "gloo"
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats
@@ -180,6 +186,9 @@ class StallWatch:
         ([Note: stall watchdog]). The work's own error (a closed connection,
         the group's timeout) is raised as it is, for ``diagnose``.
         """
+        if not self.sliced:
+            work.wait()
+            return
         started = time.monotonic()
         look_at = self.timeout_s
         while True:
