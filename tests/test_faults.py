@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
+import re
 import time
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import pytest
@@ -12,12 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import init_rank
+from harness import PG_TIMEOUT_S
 from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.errors import DesyncReport, format_desync
 from torchreplicate.launcher import start_ranks, stop_ranks
+from torchreplicate.reducer.watchdog import StallWarning
 
 
 def _net() -> nn.Module:
@@ -121,8 +125,9 @@ class Outcome(NamedTuple):
     cause: str = ""  # the error's __cause__ (str): gloo's own text under replicate()'s, or ""
 
 
-def _rank_main(rank: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:
-    init_rank()
+def _rank_main(rank: int, results: Any, fn: Callable[..., Any], args: tuple, pg_timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout_s))
     world_size = dist.get_world_size()
     marks = [time.monotonic()]
     try:
@@ -139,14 +144,17 @@ def _rank_main(rank: int, results: Any, fn: Callable[..., Any], args: tuple) -> 
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 90) -> list[Outcome]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 90, pg_timeout_s: float = PG_TIMEOUT_S
+) -> list[Outcome]:
     """Runs ``fn(rank, world_size, marks, *args)`` in fresh processes; never kills a rank early.
 
     ``marks`` is a list the function appends ``time.monotonic()`` to; an
     error's ``waited_s`` counts from the last mark. Every process is killed at
-    the deadline (then its exitcode is None).
+    the deadline (then its exitcode is None). ``pg_timeout_s``: the process
+    group's own timeout (``init_process_group(timeout=)``).
     """
-    processes, results = start_ranks(_rank_main, world_size, (fn, args))
+    processes, results = start_ranks(_rank_main, world_size, (fn, args, pg_timeout_s))
     end = time.monotonic() + deadline_s
     for process in processes:
         process.join(max(0.1, end - time.monotonic()))
@@ -162,7 +170,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: f
     return [Outcome(exitcodes[r], *reported.get(r, (None, "", 0.0, ""))) for r in range(world_size)]
 
 
-def train_steps(rank: int, marks: list[float], steps: int, stall: Callable[[int, nn.Module], None]) -> int:
+def train_steps(
+    rank: int, marks: list[float], steps: int, stall: Callable[[int, nn.Module], None], keep: bool = False
+) -> Any:
     model = replicate(seeded(_net, 0), stall_timeout=STALL_S)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
@@ -172,44 +182,70 @@ def train_steps(rank: int, marks: list[float], steps: int, stall: Callable[[int,
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return steps
+    return model if keep else steps
 
 
-def late_rank(rank: int, world_size: int, marks: list[float]) -> int:
-    """Rank 1 spends 12 s alone before step 2's forward (a long evaluation, a barrier elsewhere)."""
+def late_rank(rank: int, world_size: int, marks: list[float], seconds: float) -> Any:
+    """Rank 1 spends ``seconds`` alone before step 2's forward (a checkpoint save, a rank-0-only evaluation).
+
+    Returns the warnings the rank saw and its parameters after 4 steps.
+    """
 
     def stall(step: int, model: nn.Module) -> None:
         if rank == 1 and step == 2:
-            time.sleep(12)
+            time.sleep(seconds)
 
-    return train_steps(rank, marks, 4, stall)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = train_steps(rank, marks, 4, stall, keep=True)
+    stalls = [str(w.message) for w in seen if issubclass(w.category, StallWarning)]
+    return stalls, [p.detach().tolist() for p in model.parameters()]  # no shared memory
 
 
-def test_a_late_rank_is_named_by_every_waiting_rank_within_the_stall_timeout():
-    outcomes = run_ranks(late_rank, 3)
+def _one_process_reference(world_size: int, steps: int) -> list[torch.Tensor]:
+    # the same SGD steps on the global batch: the mean of every rank's loss
+    model = seeded(_net, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = sum(model(data(r, step)).pow(2).mean() for r in range(world_size)) / world_size
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_a_live_late_rank_draws_warnings_and_the_job_finishes_as_ddp_s_would():
+    # rank 1 away 8 s with stall_timeout=3: looks at ~3 s and ~6 s; the group's timeout (60 s) is far
+    outcomes = run_ranks(late_rank, 3, 8.0)
+    assert [(o.exitcode, o.error) for o in outcomes] == [(0, "")] * 3, outcomes
     for rank in (0, 2):
-        out = outcomes[rank]
-        assert out.exitcode == 1, f"rank {rank}: {out}"
-        assert out.error.startswith(f"replicate(): rank {rank}: bucket 0 ("), out.error
-        assert f"of step 2 waited more than {STALL_S:g} s" in out.error, out.error
-        assert "rank 1 has been in user code after the backward of step 2 for" in out.error, out.error
-        assert "ranks 0, 2 wait in bucket 0" in out.error, out.error
-        # the stall timeout, two heartbeat periods of diagnosis, and room for a busy machine
-        assert out.waited_s < STALL_S + 2 * 0.5 + 4, f"rank {rank} took {out.waited_s:.1f} s"
-    # the late rank meets closed connections: a clean error too (its peers,
-    # and the store rank 0 hosted, may be gone by then), at once, naming
-    # where it was: the same bucket of the same step as its peers
-    late = outcomes[1]
-    assert late.exitcode == 1 and late.error.startswith("replicate(): rank 1: bucket 0 ("), late
-    assert "of step 2 failed: a peer's connection broke" in late.error, late.error
-    assert late.waited_s < STALL_S, f"rank 1 waited {late.waited_s:.1f} s for peers that were gone"
-    if "the others' positions are unknown" in late.error:  # the store went with rank 0
-        assert "(the store did not answer: " in late.error and "). gloo said: " in late.error, late.error
-    else:  # the store still answered: its peers stopped in the same bucket
-        assert "ranks 0, 1, 2 wait in bucket 0 (" in late.error, late.error
-    assert "onnection" in late.cause, f"gloo's own text must stay in the cause: {late}"
-    buckets = {_bucket_named(out.error) for out in outcomes}
-    assert len(buckets) == 1, f"the ranks name different buckets: {buckets}"
+        seen, _ = outcomes[rank].result
+        stalls = [m for m in seen if "rank 1: outside the step for" in m]
+        assert stalls, f"rank {rank} saw no warning naming rank 1: {seen}"
+        for message in stalls:
+            assert message.startswith(f"replicate(): rank {rank} has waited "), message
+            assert re.search(r"rank 1: outside the step for \d+ s \(user code after the backward of step 2\)", message)
+            assert f"up to the process group's timeout ({PG_TIMEOUT_S:.0f} s)" in message, message
+        assert "bucket 0 (" in stalls[0] and "of step 2" in stalls[0], stalls[0]
+    assert not outcomes[1].result[0], f"the late rank itself waited for nobody: {outcomes[1].result[0]}"
+    reference = _one_process_reference(3, 4)
+    for rank in range(3):
+        params = outcomes[rank].result[1]
+        assert params == outcomes[0].result[1], f"rank {rank} differs from rank 0"  # bitwise, as lists
+        for got, ref in zip(params, reference, strict=True):
+            torch.testing.assert_close(torch.tensor(got), ref)
+
+
+def test_a_late_rank_past_the_group_s_own_timeout_raises_naming_it():
+    # the group's timeout is 8 s: gloo ends the collective, the roll call names the late rank
+    outcomes = run_ranks(late_rank, 2, 20.0, pg_timeout_s=8)
+    out = outcomes[0]
+    assert out.exitcode == 1, out
+    assert out.error.startswith("replicate(): rank 0: bucket 0 ("), out.error
+    assert "of step 2 waited more than the process group's timeout (8 s)" in out.error, out.error
+    assert "rank 1 has been in user code after the backward of step 2 for" in out.error, out.error
+    # the late rank meets a closed connection when it comes back: a clean error too
+    assert outcomes[1].exitcode == 1 and outcomes[1].error.startswith("replicate(): rank 1: "), outcomes[1]
 
 
 def _bucket_named(message: str) -> str:
@@ -348,11 +384,21 @@ def frozen_on_one_rank(rank: int, world_size: int, marks: list[float]) -> int:
 
 
 def test_a_change_on_one_rank_only_is_named_on_every_rank():
-    outcomes = run_ranks(frozen_on_one_rank, 2)
+    # Each rank waits in a different collective (a mismatch): each raises at its look at the peers
+    # (stall_timeout), naming both places; the processes exit when gloo ends the in-flight operation,
+    # at the group's own timeout (20 s here).
+    outcomes = run_ranks(frozen_on_one_rank, 2, pg_timeout_s=20)
     for rank, out in enumerate(outcomes):
         assert out.exitcode == 1, f"rank {rank}: {out}"
         assert out.error.startswith(f"replicate(): rank {rank}:"), out.error
         assert "'0.weight' frozen" in out.error, f"rank {rank}: {out.error}"
         assert "of step 2" in out.error, f"rank {rank}: {out.error}"
     assert "every rank must make the same change at the same step" in outcomes[0].error, outcomes[0].error
-    assert outcomes[1].error.startswith("replicate(): rank 1: the re-plan ('0.weight' frozen"), outcomes[1].error
+    for rank, out in enumerate(outcomes):
+        assert "waits in another collective, so this one can never complete" in out.error, out.error
+        assert out.waited_s < STALL_S + 4, f"rank {rank} took {out.waited_s:.1f} s"
+    assert outcomes[0].error.startswith("replicate(): rank 0: bucket 0 ("), outcomes[0].error
+    # the first to look sees the other waiting there; the second, that it stopped there after its error
+    assert re.search(r"rank 1 (has been|stopped after an error) in a re-plan \('0.weight' frozen", outcomes[0].error)
+    assert outcomes[1].error.startswith("replicate(): rank 1: a re-plan ('0.weight' frozen"), outcomes[1].error
+    assert re.search(r"rank 0 (has been|stopped after an error) in bucket 0 \(", outcomes[1].error), outcomes[1].error

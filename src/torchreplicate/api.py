@@ -265,13 +265,14 @@ def replicate(
         gradient_divide_factor: the reduced sum is divided by this. Default
             None: the world size (a mean). 1 gives a sum, for losses normalised
             by a global token count (docs/modern-stack.md).
-        stall_timeout: seconds (or a ``timedelta``) a reducer collective may
-            wait for the other ranks before every waiting rank raises an
-            error naming the ranks missing and where they are (see
-            watchdog.py). A rank that works alone longer than this between
-            steps (saving a large checkpoint on rank 0) needs a larger value.
-            Default 60; None turns the watchdog off (the process group's
-            timeout applies, 30 minutes on gloo).
+        stall_timeout: seconds (or a ``timedelta``) a reducer collective
+            waits before the waiting rank looks at the others' notes (then
+            again at doubling intervals): a rank alive outside the step
+            (saving a checkpoint, evaluating alone) draws a ``StallWarning``
+            naming it, and the collective waits on up to the process
+            group's own timeout, as DDP's; a rank gone, or waiting in
+            another collective, makes it raise at once, naming who is where
+            (see watchdog.py). Default 60; None turns the watchdog off.
         mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
             compute in ``param_dtype`` with fp32 master weights and
             gradients, reduce in ``reduce_dtype`` (default ``param_dtype``,

@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -184,3 +185,18 @@ def traced_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     group: Any = group_name  # a GroupName (a str) for torch's stubs
     summed: torch.Tensor = _functional_collectives.all_reduce(tensor, "sum", group)
     return summed
+
+
+def group_timeout(group: Any) -> float:
+    """Seconds a collective of ``group`` may wait before its backend ends it (``init_process_group(timeout=)``).
+
+    torch has no public getter; the backend's options hold it
+    (``group._get_backend(device).options._timeout``, gloo and NCCL, checked
+    on torch 2.13). Where that is missing: torch's public default for the
+    backend (``dist.default_pg_timeout``, 30 minutes).
+    """
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return float(dist.default_pg_timeout.total_seconds())

@@ -117,7 +117,7 @@ def broadcast_buffers_from(state: ReplicateState, source: int) -> None:
             state.group,
             src_rank=source,
             in_place=False,
-            timeout=state.probe.timeout,
+            waiter=state.probe.waiter,
         )
     except RuntimeError as error:
         if watch is None or not is_transport_error(error):

@@ -68,7 +68,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
     if training:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
-    all_reduce(vector, group, state.probe.timeout)
+    all_reduce(vector, group, state.probe.waiter)
     present = [r for r, v in enumerate(vector[:world_size].tolist()) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
 

@@ -351,10 +351,15 @@ class ReplicateState:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         verify_params_across_ranks(
-            plan.candidate_names, plan.candidates, self.group, self.collective_device(), self.config.wire_options
+            plan.candidate_names,
+            plan.candidates,
+            self.group,
+            self.collective_device(),
+            self.config.wire_options,
+            self.probe.waiter,
         )
         if self.world_size > 1 and to_broadcast:
-            broadcast_coalesced(to_broadcast, self.group)
+            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.waiter)
         stall_timeout_s = self.config.stall_timeout_s
         if token is not None and self.world_size > 1 and stall_timeout_s is not None:
             watch = self.probe.watch = StallWatch(

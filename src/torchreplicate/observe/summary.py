@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
 from types import TracebackType
 from typing import NamedTuple, Optional, Sequence
 
@@ -39,7 +38,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.collectives import Waiter, all_reduce
 
 logger = logging.getLogger("torchreplicate")
 
@@ -291,7 +290,7 @@ class SummaryLogger:
             dtype=torch.float64,
             device=view.device,
         )
-        rows = _gather_rows(mine, state.group, view.timeout)
+        rows = _gather_rows(mine, state.group, view.waiter)
         summary = summarize([row.tolist() for row in rows], self._first_step, record.step)
         self.last = summary
         if self.log_rank is None or self.log_rank == self._rank:
@@ -301,14 +300,13 @@ class SummaryLogger:
         self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0
 
 
-def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: Optional[timedelta]) -> list[torch.Tensor]:
+def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter]) -> list[torch.Tensor]:
     # An all-gather written as one all-reduce: each rank fills its own row of
-    # zeros (float64 sums with zeros are exact). The all-reduce takes the
-    # reducer's stall timeout as gloo's own per-operation option, as the
-    # reducer's collectives do ([Note: stall watchdog] in watchdog.py);
-    # torch.distributed exports no such option for all_gather.
+    # zeros (float64 sums with zeros are exact). The all-reduce is waited
+    # through the stall watchdog, as the reducer's collectives are
+    # ([Note: stall watchdog] in watchdog.py).
     world_size = dist.get_world_size(group)
     table = torch.zeros(world_size, tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     table[dist.get_rank(group)] = tensor
-    all_reduce(table, group, timeout)
+    all_reduce(table, group, waiter)
     return list(table.unbind(0))

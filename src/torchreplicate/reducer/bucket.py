@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from torchreplicate.errors import refuse_foreign_hooks
+from torchreplicate.reducer.collectives import Waiter
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.torch_internals import in_backward_optimizers
 
@@ -148,22 +148,22 @@ class ReducerView(NamedTuple):
 
     Attributes:
         device: where the buckets live (an observer's own collectives run there).
-        timeout: per-operation timeout of the reducer's collectives, or None.
+        waiter: waits the reducer's collectives (the stall watchdog), or None.
         buckets: the bucket layout, in launch order.
     """
 
     device: torch.device
-    timeout: Optional[timedelta]
+    waiter: Optional[Waiter]
     buckets: tuple[BucketInfo, ...]
 
     @classmethod
-    def of(cls, buckets: Sequence[Bucket], timeout: Optional[timedelta]) -> ReducerView:
+    def of(cls, buckets: Sequence[Bucket], waiter: Optional[Waiter]) -> ReducerView:
         """The view of ``buckets`` (a reducer's, in launch order)."""
         infos = tuple(
             BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
             for b in buckets
         )
-        return cls(buckets[0].buffer.device, timeout, infos)
+        return cls(buckets[0].buffer.device, waiter, infos)
 
 
 def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from datetime import timedelta
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -75,6 +74,7 @@ def verify_params_across_ranks(
     group: dist.ProcessGroup,
     device: torch.device,
     options: Optional[dict[str, str]] = None,
+    waiter: Optional[Waiter] = None,
 ) -> None:
     """Checks that every rank holds the same parameters (names, shapes, dtypes) and options.
 
@@ -90,6 +90,7 @@ def verify_params_across_ranks(
         options: ``replicate()`` options that decide the collectives (bucket
             caps, wire dtype); ranks that differ there would send buckets of
             different sizes, which gloo answers by aborting the process.
+        waiter: waits the digests' all-gather (the stall watchdog at a re-plan), or None.
 
     Raises:
         RuntimeError: on every rank, naming the first differing option or
@@ -100,7 +101,7 @@ def verify_params_across_ranks(
     world_size = dist.get_world_size(group)
     local = torch.tensor([fingerprint(description, options)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local, group=group)
+    wait_for(cast(dist.Work, dist.all_gather(gathered, local, group=group, async_op=True)), waiter)
     digests = [int(t.item()) for t in gathered]
     if len(set(digests)) == 1:
         return
@@ -120,24 +121,32 @@ def is_transport_error(error: BaseException) -> bool:
     return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
 
 
-def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, timeout: Optional[timedelta] = None, *, async_op: bool = False
-) -> Optional[dist.Work]:
-    """``dist.all_reduce`` (a sum), with a per-operation ``timeout`` when given.
+class Waiter(Protocol):
+    """Waits for a collective's work: the stall watchdog (``StallWatch.wait`` in watchdog.py)."""
 
-    With a timeout, gloo ends the operation itself when a peer does not come
-    ([Note: stall watchdog] in watchdog.py): the same call ``dist.all_reduce``
-    makes (``ProcessGroup.allreduce``), plus the option.
+    def wait(self, work: dist.Work) -> None:
+        """Returns when ``work`` completed; raises its error, or the watchdog's."""
+
+
+def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
+    """Waits for ``work`` through ``waiter`` (the stall watchdog), or plainly when None."""
+    if waiter is None:
+        work.wait()
+    else:
+        waiter.wait(work)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter] = None, *, async_op: bool = False
+) -> Optional[dist.Work]:
+    """``dist.all_reduce`` (a sum), under the group's own timeout, as DDP's; waited through ``waiter``.
+
+    With ``async_op`` the work is returned, for ``wait_for(work, waiter)``.
     """
-    if timeout is None:
-        return cast(Optional[dist.Work], dist.all_reduce(tensor, group=group, async_op=async_op))
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs want a RedOpType
-    options.timeout = timeout
-    work = group.allreduce([tensor], options)
+    work = cast(dist.Work, dist.all_reduce(tensor, group=group, async_op=True))
     if async_op:
         return work
-    work.wait()
+    wait_for(work, waiter)
     return None
 
 
@@ -148,7 +157,7 @@ def broadcast_coalesced(
     *,
     src_rank: int = 0,
     in_place: bool = True,
-    timeout: Optional[timedelta] = None,
+    waiter: Optional[Waiter] = None,
 ) -> list[torch.Tensor]:
     """Broadcasts tensors from ``src_rank`` in one collective per device.
 
@@ -162,7 +171,7 @@ def broadcast_coalesced(
         in_place: copy the result into ``tensors`` (True, default) or return
             fresh tensors and leave the inputs untouched (False), for tensors a
             live autograd graph may have saved.
-        timeout: per-operation timeout (see ``all_reduce``); None: the group's.
+        waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
 
     Returns:
         The broadcast tensors: ``tensors`` themselves when ``in_place``, else
@@ -176,12 +185,7 @@ def broadcast_coalesced(
     for indices in by_device.values():
         members = [tensors[i].detach() for i in indices]
         flat = _pack_bytes(members)
-        if timeout is None:
-            dist.broadcast(flat, src=src, group=group)
-        else:
-            options = dist.BroadcastOptions()
-            options.rootRank, options.rootTensor, options.timeout = src_rank, 0, timeout
-            group.broadcast([flat], options).wait()
+        wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
         offset = 0
         for i, tensor in zip(indices, members, strict=True):
             nbytes = tensor.numel() * tensor.element_size()

@@ -39,14 +39,13 @@ too (``shadow``).
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.collectives import Waiter, all_reduce
 from torchreplicate.reducer.grad_layout import GradLayout
 
 
@@ -87,7 +86,7 @@ class LateUses:
         return 4 * sum(_num_rows(slot.param) for slot in self.slots)
 
     @torch.no_grad()
-    def reduce(self, group: dist.ProcessGroup, divide_factor: float, timeout: Optional[timedelta] = None) -> None:
+    def reduce(self, group: dist.ProcessGroup, divide_factor: float, waiter: Optional[Waiter] = None) -> None:
         """Adds the mean of every rank's detached uses' gradients to the reduced ``.grad``, by rows.
 
         Called on every rank at the end of a synchronised backward, after the
@@ -95,7 +94,7 @@ class LateUses:
         """
         started = time.perf_counter_ns()
         kept, self.kept = self.kept, {}
-        rows = self._agree_rows(group, timeout, kept)
+        rows = self._agree_rows(group, waiter, kept)
         for slot, picked in zip(self.slots, rows, strict=True):
             if picked.numel() == 0:
                 continue
@@ -105,21 +104,21 @@ class LateUses:
                 mean = param.new_zeros((picked.numel(), *_row_shape(param)))
             else:
                 mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
-            all_reduce(mean, group, timeout)  # scaled on the way in, as the buckets ([Note: the mean ...])
+            all_reduce(mean, group, waiter)  # scaled on the way in, as the buckets ([Note: the mean ...])
             if param.grad is None:  # used only through the detached use, on every rank
                 param.grad = torch.zeros_like(param)
             _add_rows(param.grad, picked, mean)
         self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
-    def shadow(self, group: dist.ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+    def shadow(self, group: dist.ProcessGroup, waiter: Optional[Waiter] = None) -> None:
         """A joined rank's part (join.py): the same collectives, zeros."""
-        for slot, picked in zip(self.slots, self._agree_rows(group, timeout, {}), strict=True):
+        for slot, picked in zip(self.slots, self._agree_rows(group, waiter, {}), strict=True):
             if picked.numel():
-                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), group, timeout)
+                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), group, waiter)
 
     def _agree_rows(
-        self, group: dist.ProcessGroup, timeout: Optional[timedelta], kept: dict[int, torch.Tensor]
+        self, group: dist.ProcessGroup, waiter: Optional[Waiter], kept: dict[int, torch.Tensor]
     ) -> list[torch.Tensor]:
         # Per slot, the rows some rank's kept gradient touched (ascending), the same on every rank.
         sizes = [_num_rows(slot.param) for slot in self.slots]
@@ -128,7 +127,7 @@ class LateUses:
             grad = kept.get(slot.index)
             if grad is not None:
                 piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
-        all_reduce(mask, group, timeout)
+        all_reduce(mask, group, waiter)
         rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]
         self.rows_bytes = sum(
             picked.numel() * _row_shape(slot.param)[0] * slot.param.element_size()

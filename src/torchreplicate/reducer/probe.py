@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from datetime import timedelta
 from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
 
 from torch.autograd.profiler import record_function
@@ -118,9 +117,9 @@ class Probe:
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
 
     @property
-    def timeout(self) -> Optional[timedelta]:
-        """Per-operation timeout of the module's collectives: the watchdog's ``stall_timeout``, or None."""
-        return None if self.watch is None else self.watch.timeout
+    def waiter(self) -> Optional[StallWatch]:
+        """What waits the module's collectives: the stall watchdog (``StallWatch.wait``), or None."""
+        return self.watch
 
     def at(self, where: str, step: int) -> None:
         """This rank is at ``where`` (a forward, a re-plan, the flags' all-reduce, ...) of ``step``."""

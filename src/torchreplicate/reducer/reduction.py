@@ -11,7 +11,6 @@ bucket in index order, and ``reduce_flags`` once every bucket is back.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from torchreplicate.errors import complex_wire_error
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.collectives import WeakGroup, all_reduce
+from torchreplicate.reducer.collectives import Waiter, WeakGroup, all_reduce, wait_for
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
@@ -39,12 +38,12 @@ class Reduction:
     weak_group: Optional[WeakGroup] = None  # the group the collectives run on (set by bind)
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
         """Prepares for a bucket layout; returns where the flags travel (``num_flags`` elements).
 
-        ``timeout`` bounds each collective the reduction launches itself
-        ([Note: stall watchdog] in watchdog.py); None: the group's timeout.
+        ``waiter`` waits each collective the reduction launches itself
+        ([Note: stall watchdog] in watchdog.py); None: a plain wait.
         """
         raise NotImplementedError
 
@@ -127,7 +126,7 @@ class AllReduce(Reduction):
         self.reduce_dtype = reduce_dtype
         self.gradient_divide_factor = gradient_divide_factor
         # - Bound to one bucket layout (bind)
-        self._timeout: Optional[timedelta] = None  # per-operation timeout of each all-reduce
+        self._waiter: Optional[Waiter] = None  # waits each all-reduce (the stall watchdog), or None
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
         self.wires: list[torch.Tensor] = []
@@ -137,10 +136,10 @@ class AllReduce(Reduction):
         self.scales: list[torch.Tensor] = []
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
         self.weak_group = group
-        self._timeout = timeout
+        self._waiter = waiter
         self.divide_factor = self._default_divide_factor()
         self.wires, self.scales = [], []
         for bucket in buckets:
@@ -195,10 +194,10 @@ class AllReduce(Reduction):
     def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
         assert self.weak_group is not None, "bind() comes first"
         zeros = [torch.zeros_like(wire) for wire in self.wires]
-        works = [all_reduce(z, self.weak_group.get(), self._timeout, async_op=True) for z in zeros]
+        works = [all_reduce(z, self.weak_group.get(), self._waiter, async_op=True) for z in zeros]
         for work in works:
             assert work is not None
-            work.wait()
+            wait_for(work, self._waiter)
         last = buckets[-1]
         return zeros[-1][last.numel : last.numel + num_flags]
 
@@ -225,10 +224,10 @@ class AllReduce(Reduction):
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        step.in_flight[bucket.index] = all_reduce(wire, self.weak_group.get(), self._timeout, async_op=True)
+        step.in_flight[bucket.index] = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
 
     def wait(self, bucket: Bucket, step: StepState) -> None:
-        step.in_flight[bucket.index].wait()
+        wait_for(step.in_flight[bucket.index], self._waiter)
         step.in_flight[bucket.index] = None
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
@@ -283,17 +282,17 @@ class HookReduction(Reduction):
         self.state = state
         self.hook = hook
         # - Bound to one bucket layout (bind)
-        self._timeout: Optional[timedelta] = None  # per-operation timeout of the flags' all-reduce
+        self._waiter: Optional[Waiter] = None  # waits the flags' all-reduce (the stall watchdog), or None
         self._buckets: Sequence[Bucket] = ()  # to wait for bucket k - 1 before calling the hook on k
         self._flags = torch.zeros(0)  # the flags' own tensor
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, timeout: Optional[timedelta]
+        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
-        # The hook launches its own collectives, which cannot take a timeout:
-        # only the flags' all-reduce is bounded (docs/faults.md).
+        # The hook launches its own collectives, waited through its futures:
+        # only the flags' all-reduce is watched (docs/faults.md).
         self.weak_group = group
-        self._timeout = timeout
+        self._waiter = waiter
         self._buckets = buckets
         self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
         self._flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
@@ -318,7 +317,7 @@ class HookReduction(Reduction):
         if future is not None:
             future.wait()
         flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
-        all_reduce(flags, self.weak_group.get(), self._timeout)
+        all_reduce(flags, self.weak_group.get(), self._waiter)
         return flags
 
     def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
@@ -356,4 +355,4 @@ class HookReduction(Reduction):
 
     def reduce_flags(self) -> None:
         assert self.weak_group is not None, "bind() comes first"
-        all_reduce(self._flags, self.weak_group.get(), self._timeout)
+        all_reduce(self._flags, self.weak_group.get(), self._waiter)

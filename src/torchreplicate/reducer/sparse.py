@@ -10,14 +10,13 @@ rank used keeps ``grad=None``.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.collectives import Waiter, all_reduce
 
 
 class SparseGrads:
@@ -39,7 +38,7 @@ class SparseGrads:
         group: dist.ProcessGroup,
         divide_factor: float,
         unused_everywhere: frozenset[int],
-        timeout: Optional[timedelta] = None,
+        waiter: Optional[Waiter] = None,
     ) -> None:
         """All-reduces every sparse gradient and writes back its average (or None)."""
         for slot in self.slots:
@@ -54,13 +53,13 @@ class SparseGrads:
                     "flag before replicate() and keep it"
                 )
             summed = grad.coalesce().clone()
-            all_reduce(summed, group, timeout)
+            all_reduce(summed, group, waiter)
             param.grad = None if slot.index in unused_everywhere else (summed / divide_factor).coalesce()
 
-    def shadow(self, group: dist.ProcessGroup, timeout: Optional[timedelta] = None) -> None:
+    def shadow(self, group: dist.ProcessGroup, waiter: Optional[Waiter] = None) -> None:
         """A joined rank's part (join.py): an empty gradient for every sparse parameter."""
         for slot in self.slots:
-            all_reduce(_empty_like(slot.param), group, timeout)
+            all_reduce(_empty_like(slot.param), group, waiter)
 
 
 def _empty_like(param: torch.Tensor) -> torch.Tensor:

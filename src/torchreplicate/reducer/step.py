@@ -37,7 +37,6 @@ same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 from __future__ import annotations
 
 import enum
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 from torchreplicate.errors import desync_error, raise_with_place
 from torchreplicate.reducer.bucket import Bucket, ParamSlot, layout_digest
-from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.collectives import Waiter, all_reduce
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.torch_internals import remove_in_backward_optimizer_hooks
@@ -124,19 +123,19 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     sums = _reduce_rest(reducer, step)
     late_grads = reducer.layout.restore(reducer.buckets, step, sums, num_early)
     probe = reducer.probe
-    timeout = probe.timeout
+    waiter = probe.waiter
     if sums.any_late:
         with probe.span("late_round"):
             probe.late_round(True, reducer.num_steps)
-            reduce_late(reducer.buckets, late_grads, reducer.group, reducer.reduction.divide_factor, timeout)
+            reduce_late(reducer.buckets, late_grads, reducer.group, reducer.reduction.divide_factor, waiter)
             probe.late_round(False, reducer.num_steps)
     if reducer.sparse.slots:
         probe.at("sparse gradients", reducer.num_steps)
-        reducer.sparse.reduce(reducer.group, reducer.reduction.divide_factor, sums.unused_everywhere, timeout)
+        reducer.sparse.reduce(reducer.group, reducer.reduction.divide_factor, sums.unused_everywhere, waiter)
     if reducer.late_uses.slots:
         probe.at("the tied parameters' rows", reducer.num_steps)
         with probe.span("tied_rows"):
-            reducer.late_uses.reduce(reducer.group, reducer.reduction.divide_factor, timeout)
+            reducer.late_uses.reduce(reducer.group, reducer.reduction.divide_factor, waiter)
     return sums.any_late
 
 
@@ -180,7 +179,7 @@ def reduce_late(
     late_grads: LateGrads,
     group: dist.ProcessGroup,
     divide_factor: float,
-    timeout: Optional[timedelta] = None,
+    waiter: Optional[Waiter] = None,
 ) -> None:
     """Adds the mean of every rank's late gradients to the reduced ``.grad``.
 
@@ -189,7 +188,7 @@ def reduce_late(
         late_grads: this rank's late gradients, by slot index.
         group: the process group.
         divide_factor: the divisor of the sum (the reduction's).
-        timeout: per-operation timeout of each all-reduce; None: the group's.
+        waiter: waits each all-reduce (the stall watchdog), or None: a plain wait.
     """
     for bucket in buckets:
         extra = torch.zeros_like(bucket.grads)
@@ -197,7 +196,7 @@ def reduce_late(
         for slot, piece in zip(bucket.slots, pieces, strict=True):
             if slot.index in late_grads:
                 piece.copy_(late_grads[slot.index])
-        all_reduce(extra, group, timeout)
+        all_reduce(extra, group, waiter)
         extra.div_(divide_factor)
         for slot, piece in zip(bucket.slots, pieces, strict=True):
             # A late gradient anywhere means the parameter was used there, so

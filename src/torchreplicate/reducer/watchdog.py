@@ -1,18 +1,33 @@
 """The stall watchdog: where every rank is, so a stuck or broken collective names who is missing.
 
 [Note: stall watchdog]
-A collective waits for every rank of its group. When one rank is late (stuck
-in user code, waiting somewhere else) or gone (crashed, killed), the others
-used to wait the whole process-group timeout (30 minutes on gloo), then
-print gloo's text with no rank, step or parameter. Three pieces fix that:
+A collective waits for every rank of its group. When one rank is late (busy
+in user code, stuck somewhere else) or gone (crashed, killed), DDP's ranks
+wait the whole process-group timeout (30 minutes on gloo), then print gloo's
+text with no rank, step or parameter. A late rank is often healthy: rank 0
+saving a checkpoint, a rank-0-only evaluation, a data-loader hiccup, and DDP
+finishes those jobs. So the watchdog tells them apart and ends a job only
+where DDP's would end, or where it could never finish:
 
-- Every collective the reducer launches carries its own timeout,
-  ``stall_timeout`` (gloo's per-operation option). gloo then ends the
-  operation itself, so the process can still exit; a wait with a timeout of
-  its own (``Work.wait(timeout)``, polling) would leave the operation in
-  flight, and exit would block until the peer arrives (measured on torch
-  2.13). A dead peer needs no timeout: gloo reports the closed connection at
-  once.
+- Every collective runs under the process group's own timeout, as DDP's do
+  (no per-operation option). The waiting rank waits through
+  ``StallWatch.wait``: ``Work.wait(timeout)`` in slices (on gloo it raises
+  "Operation timed out!" and leaves the operation in flight, unharmed;
+  measured on torch 2.13). At ``stall_timeout`` and then at doubling
+  intervals (60 s, 120 s, 240 s, ...) it reads every rank's note:
+  a peer alive and outside the step (forward, its backward's computation,
+  user code) draws a warning (``StallWarning``) naming it, where it is and
+  for how long, and the wait goes on until gloo ends the operation at the
+  group's timeout, then raises with the roll call as before. A peer gone
+  (failed, left, process ended, heartbeat silent for two periods) or alive
+  inside another of our collectives (a mismatch that can never complete)
+  makes the waiting rank raise at once, naming it; the peer stuck in the
+  other collective sees the same at its own wake-up, so every rank raises.
+  The operation stays in flight: the processes exit when gloo ends it (the
+  group's timeout; at once when a peer's process ends first).
+  A dead peer needs no timeout: gloo reports the closed connection at once.
+  On NCCL the CPU does not wait in ``Work.wait`` (it orders the stream), so
+  the waits are plain and the group's timeout (NCCL's own watchdog) rules.
 - The main thread notes where it is (``StallWatch.at``: forward, backward,
   bucket k, finalize, and the step), a few attribute writes per step.
 - A heartbeat thread copies that note, with a counter it increments, into
@@ -23,7 +38,7 @@ print gloo's text with no rank, step or parameter. Three pieces fix that:
   last note saying that the rank left and after how many synchronised
   backwards.
 
-When a reducer collective fails (timeout or closed connection), the group
+When a reducer collective fails (group timeout or closed connection), the group
 reads every rank's note once ([Note: roll call] in roll_call.py): a rank
 that left or failed says so; a rank on this host whose process ended is
 named at once; a rank whose counter did not move for two periods is gone
@@ -46,6 +61,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from datetime import timedelta
 
@@ -57,12 +73,32 @@ from torchreplicate.reducer.roll_call import (
     gather_notes,
     note_key,
     pid_namespace,
+    roll_call,
     start_time,
 )
+from torchreplicate.torch_internals import group_timeout
 
-__all__ = ["MAX_BEATS_PER_S", "Note", "StallWatch", "describe_notes", "heartbeat_period"]
+__all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period", "is_outside"]
 
 MAX_BEATS_PER_S = 400.0  # heartbeats of a whole group per second, at most (see the Note)
+_OUTSIDE = ("forward", "backward", "user code", "set-up")  # phases outside our collectives (probe.py's notes)
+_TIMED_OUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice ends first (torch 2.13)
+
+
+class StallWarning(UserWarning):
+    """A peer is alive but late, outside the step; the collective keeps waiting ([Note: stall watchdog])."""
+
+
+def is_outside(phase: str) -> bool:
+    """Whether a note's ``phase`` is outside our collectives (forward, backward's computation, user code)."""
+    return phase.startswith(_OUTSIDE)
+
+
+def where_outside(note: Note) -> str:
+    """Where a live peer outside our collectives is, for the warning: "outside the step for 61 s (...)"."""
+    if note.phase.startswith(("user code", "set-up")):
+        return f"outside the step for {note.seconds:.0f} s ({note.phase} of step {note.step})"
+    return f"in {note.phase} of step {note.step} for {note.seconds:.0f} s"
 
 
 def heartbeat_period(timeout_s: float, world_size: int) -> float:
@@ -86,8 +122,12 @@ class StallWatch:
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, key: str) -> None:
         # - Configuration
-        self.timeout_s = timeout_s
-        self.timeout = timedelta(seconds=timeout_s)  # per-operation timeout of every reducer collective
+        self.timeout_s = timeout_s  # the first look at the peers, then at doubling intervals
+        self.group_timeout_s = group_timeout(group)  # when the backend ends a collective (init_process_group)
+        # Waits in slices on gloo only, where Work.wait blocks the CPU and a timed wait leaves the
+        # operation unharmed (measured, torch 2.13). NCCL's wait only orders the stream (the CPU
+        # never waits there), and its timed wait may abort the communicator: plain waits.
+        self.sliced = dist.get_backend(group) == "gloo"
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats
@@ -138,13 +178,75 @@ class StallWatch:
         except Exception:  # the store is gone: nobody is left to read the note
             pass
 
+    def wait(self, work: dist.Work) -> None:
+        """Waits for ``work`` (a collective of ours), looking at the peers at ``stall_timeout``, then at x2.
+
+        Warns (``StallWarning``) for each live peer outside the step and keeps
+        waiting; raises at once for a peer gone or stuck in another collective
+        ([Note: stall watchdog]). The work's own error (a closed connection,
+        the group's timeout) is raised as it is, for ``diagnose``.
+        """
+        if not self.sliced:
+            work.wait()
+            return
+        started = time.monotonic()
+        look_at = self.timeout_s
+        while True:
+            try:
+                work.wait(timedelta(seconds=max(0.001, look_at - (time.monotonic() - started))))
+                return
+            except RuntimeError as error:
+                if _TIMED_OUT not in str(error):
+                    raise  # the work's own error
+            if work.is_completed():
+                work.wait()  # finished meanwhile: its result, or its error
+                return
+            waited = time.monotonic() - started
+            if waited >= look_at:
+                self.look_at_peers(waited)
+                look_at *= 2
+
+    def look_at_peers(self, waited: float) -> None:
+        """Warns for each live peer outside the step; raises for a peer gone or in another collective.
+
+        Args:
+            waited: seconds this rank has waited in its collective.
+        """
+        place = (self.phase, self.step)
+        notes = roll_call(self._store, self.rank, self.world_size, self.period, self.host, self.namespace)
+        notes[self.rank] = self._own_note()
+        elsewhere = [n for n in notes if n.rank != self.rank and (n.phase, n.step) != place]
+        fatal = [n for n in elsewhere if n.failed or n.left or n.ended or not n.alive or not is_outside(n.phase)]
+        if fatal:
+            self.failed = True
+            self._beat()  # a peer stuck in its own collective reads at its wake-up that this rank gave up
+            self.stop()
+            why = "a peer is gone or waits in another collective, so this one can never complete"
+            raise RuntimeError(
+                f"replicate(): rank {self.rank}: {self.phase} of step {self.step} waited {waited:.0f} s: {why}. "
+                f"{describe_notes(notes, self.rank, 2 * self.period)}"
+            )
+        for note in elsewhere:
+            warnings.warn(
+                f"replicate(): rank {self.rank} has waited {waited:.0f} s in {self.phase} of step {self.step}: "
+                f"rank {note.rank}: {where_outside(note)}, alive. Waiting on, up to the process group's "
+                f"timeout ({self.group_timeout_s:.0f} s), as DDP does; next look in {waited:.0f} s "
+                "(stall_timeout sets the first)",
+                StallWarning,
+                stacklevel=2,
+            )
+
     def diagnose(self, what: str, error: BaseException) -> RuntimeError:
         """The error to raise when ``what`` (a collective) failed with ``error``.
 
         Reads every rank's note ([Note: roll call] in roll_call.py), then stops the heartbeat.
         """
         timed_out = "Timed out" in str(error) or "timed out" in str(error)
-        cause = f"waited more than {self.timeout_s:g} s" if timed_out else "failed: a peer's connection broke"
+        cause = (
+            f"waited more than the process group's timeout ({self.group_timeout_s:g} s)"
+            if timed_out
+            else "failed: a peer's connection broke"
+        )
         head = f"replicate(): rank {self.rank}: {what} {cause}"
         try:
             # First this rank's own note, where it failed: a survivor that gathers
