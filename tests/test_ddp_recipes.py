@@ -169,3 +169,32 @@ def test_a_child_named_module_is_not_stripped():
     under_ddp = {f"module.{key}": value + 1 for key, value in source.state_dict().items()}  # "module.module.weight"
     load_ddp_state_dict(model, under_ddp)
     assert torch.equal(model.module.weight, source.module.weight + 1)
+
+
+def grad_sync_switch(rank, world_size):
+    """``model.require_backward_grad_sync = False`` (DDP's public switch) accumulates locally, as under DDP."""
+    ours, theirs = seeded(Net, 11), seeded(Net, 11)
+    replicate(ours)
+    ddp = DDP(theirs)
+    for wrapped in (ours, ddp):
+        assert wrapped.require_backward_grad_sync is True
+        wrapped.require_backward_grad_sync = False
+        wrapped(batch(rank, 0) + rank).pow(2).mean().backward()  # local only
+    local = ours.inp.weight.grad.clone()
+    assert not torch.equal(local, torch.zeros_like(local))
+    copies = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(copies, local)
+    assert not torch.equal(copies[0], copies[1]), f"rank {rank}: the switch off still averaged"
+    for wrapped in (ours, ddp):
+        wrapped.require_backward_grad_sync = True
+        wrapped(batch(rank, 1) + rank).pow(2).mean().backward()  # averages both micro-batches
+    assert replicate.state(ours).requires_gradient_sync is True
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), f"rank {rank}: {name}.grad differs from DDP's"
+    with ours.no_sync():
+        assert ours.require_backward_grad_sync is False  # no_sync() sets the same switch, as DDP's
+    assert ours.require_backward_grad_sync is True
+
+
+def test_require_backward_grad_sync_is_ddp_s_switch(pools):
+    pools.run(2, grad_sync_switch)

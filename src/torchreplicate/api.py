@@ -67,6 +67,19 @@ class ReplicateModule:
         """
         get_state(self).set_requires_gradient_sync(requires_gradient_sync)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's public switch, the same state as ``set_requires_gradient_sync``.
+
+        ``model.require_backward_grad_sync = False`` makes the next backwards
+        accumulate locally, as under DDP (and as ``no_sync()``, which sets it).
+        """
+        return get_state(self).requires_gradient_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        get_state(self).set_requires_gradient_sync(value)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Context manager: backwards inside it accumulate without averaging.
