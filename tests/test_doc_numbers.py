@@ -197,6 +197,16 @@ def test_the_evidence_page_cites_the_commits_the_result_files_name():
             assert commit in named, f"evidence.md cites {commit} for {files}, which do not name it"
 
 
+def test_the_benchmarks_readme_counts_and_names_every_script():
+    scripts = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    words = ["One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine", "Ten", "Eleven", "Twelve"]
+    assert text.split("\n", 3)[2].startswith(f"{words[len(scripts) - 1]} scripts"), (
+        f"benchmarks/README.md does not open with '{words[len(scripts) - 1]} scripts' ({len(scripts)}: {scripts})"
+    )
+    assert not [s for s in scripts if f"`{s}`" not in text], "scripts benchmarks/README.md does not name"
+
+
 # -- names ----------------------------------------------------------------------
 
 
