@@ -24,7 +24,8 @@ one intra-op thread per rank):
 3. memory, 2 ranks: each engine in turn, peak RSS increase over the RSS
    of the bare model (``benchlib.memory``).
 
-Writes ``<out>/latest.json``, ``<out>/ratios.png`` and ``<out>/latest.md``,
+Writes ``<out>/latest.json``, ``<out>/ratios.png`` and ``<out>/latest.md``
+(with ``--name NAME``: ``NAME.json``, ``NAME_ratios.png``, ``NAME.md``),
 and prints the markdown tables. Timings are reported, never asserted.
 """
 
@@ -138,10 +139,10 @@ def markdown_tables(report: dict) -> str:
     ws1 = report.get("world_size_1", {})
     mem = report.get("memory", {})
     if ws2:
-        lines += _ws2_table(ws2)
+        lines += _ws2_table(ws2, report["world_size"])
         lines += [""] + _comm_memory_table(ws2, mem, report["world_size"])
     else:
-        lines.append("(world-size-2 phase skipped)")
+        lines.append("(the main, --nprocs ranks, phase skipped)")
     if ws1:
         lines += [""] + _ws1_table(ws1)
     rows = [
@@ -154,9 +155,9 @@ def markdown_tables(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ws2_table(ws2: dict) -> list[str]:
+def _ws2_table(ws2: dict, world_size: int) -> list[str]:
     lines = [
-        "**World size 2** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))",
+        f"**World size {world_size}** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))",
         "",
         "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv | exposed comm ms DDP / gbv / ours |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -175,7 +176,7 @@ def _ws2_table(ws2: dict) -> list[str]:
 
 def _comm_memory_table(ws2: dict, mem: dict, world_size: int) -> list[str]:
     lines = [
-        "**Communication and memory** (world size 2; all-reduces and payload per step per rank from torch.profiler 'gloo:all_reduce' events; "
+        f"**Communication and memory** (world size {world_size}; all-reduces and payload per step per rank from torch.profiler 'gloo:all_reduce' events; "
         "sent = ring estimate 2(W-1)/W x payload; memory in MiB over the RSS of the bare model, largest rank: steady peak (after 3 steps) "
         "[peak incl. wrapping and first 3 steps] {held between steps})",
         "",
@@ -291,6 +292,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     parser.add_argument("--no-instrument", action="store_true", help="skip the profiled reducer pass")
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
+    parser.add_argument("--name", default="latest", help="the result files' stem: NAME.json, NAME.md (default latest)")
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
@@ -335,9 +337,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     report["method"] = METHOD
 
     rank_file = report["env"].get("torchreplicate_file_in_ranks") or report["env"]["torchreplicate_file"]
-    finish_report(report, started, rank_file, markdown_tables, args.out, "latest")
+    finish_report(report, started, rank_file, markdown_tables, args.out, args.name)
     try:
-        plot(report, os.path.join(args.out, "ratios.png"))
+        plot(report, os.path.join(args.out, "ratios.png" if args.name == "latest" else f"{args.name}_ratios.png"))
     except Exception as error:  # the plot is optional
         print(f"[bench] plot skipped: {error!r}")
     for line in breakdown_warnings(

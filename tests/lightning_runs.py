@@ -1,4 +1,4 @@
-"""Training runs with Lightning, one process per rank: ``torchrun --nproc-per-node 2 lightning_runs.py OUT``.
+"""Training runs with Lightning, one process per rank: ``torchrun --nproc-per-node N lightning_runs.py OUT``.
 
 tests/test_lightning.py launches this once and reads what it writes to OUT:
 for each run, each rank's final parameters and buffers, the logged loss,
@@ -7,11 +7,16 @@ strategy's collectives (``<run>.rank<r>.pt``); for each refusal, each rank's
 error message (``<case>.rank<r>.txt``). Runs: the Trainer with
 ``strategy="ddp"`` and with ours (by name and by object, and a run cut after
 one epoch, checkpointed and resumed by a new Trainer); Fabric the same way.
-Tiny on purpose: a 2-core machine runs the whole file in seconds.
+With ``--averaging`` after OUT, only the runs that compare the averaged parameters
+(the Trainer and Fabric, each with ``"ddp"`` and with ours), for more than 2
+ranks: with two, any correct mean is bitwise the same. Runs on as many
+devices as torchrun started ranks. Tiny on purpose: a 2-core machine runs
+the whole file in seconds.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -30,6 +35,12 @@ from torchreplicate.integrations.lightning import FabricReplicateStrategy, Repli
 NUM_SAMPLES = 16  # 4 batches of 2 per rank per epoch: 2 optimizer steps with accumulation 2
 ACCUMULATE = 2
 EPOCHS = 2
+DEVICES = int(os.environ.get("WORLD_SIZE", "2"))  # torchrun's ranks
+# Adam, except in the averaging runs: the first Linear's bias, followed by a
+# BatchNorm, has a true gradient of zero, so its computed gradient is rounding
+# noise, which Adam scales up to full-size steps; SGD keeps a rounding
+# difference between two correct means a rounding difference.
+OPTIMIZER: Callable[..., torch.optim.Optimizer] = torch.optim.Adam
 
 
 def data() -> TensorDataset:
@@ -66,13 +77,13 @@ class Regression(L.LightningModule):
             self.sync_flags.append(state.requires_gradient_sync)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=0.05)
+        return OPTIMIZER(self.parameters(), lr=0.05)
 
 
 def trainer(strategy: Any, max_epochs: int) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=DEVICES,
         strategy=strategy,
         max_epochs=max_epochs,
         accumulate_grad_batches=ACCUMULATE,
@@ -158,10 +169,10 @@ def fabric_epochs(fabric: L.Fabric, model: nn.Module, optimizer: Any, epochs: ra
 
 
 def fabric_setup(strategy: Any) -> tuple[L.Fabric, nn.Module, Any]:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=DEVICES, strategy=strategy)
     fabric.launch()
     module = network()
-    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=0.05))
+    model, optimizer = fabric.setup(module, OPTIMIZER(module.parameters(), lr=0.05))
     return fabric, model, optimizer
 
 
@@ -194,9 +205,18 @@ def refusal(out: Path, case: str, attempt: Callable[[], Any]) -> None:
     (out / f"{case}.rank{dist.get_rank()}.txt").write_text(message)
 
 
-def main(out: Path) -> None:
+def main(out: Path, averaging_only: bool = False) -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")  # a 4-batch loader, on purpose
     torch.set_num_threads(1)
+    if averaging_only:
+        global OPTIMIZER
+        OPTIMIZER = torch.optim.SGD
+        fit_trainer(out, "trainer_ddp", lambda: "ddp")
+        fit_trainer(out, "trainer_replicate", lambda: ReplicateStrategy(bucket_cap_mb=25))
+        fit_fabric(out, "fabric_ddp", lambda: "ddp")
+        fit_fabric(out, "fabric_replicate", FabricReplicateStrategy)
+        dist.barrier()
+        return
     fit_trainer(out, "trainer_ddp", lambda: "ddp")
     fit_trainer(out, "trainer_replicate_by_name", lambda: "replicate")
     fit_trainer(out, "trainer_replicate", lambda: ReplicateStrategy(bucket_cap_mb=25))
@@ -208,11 +228,11 @@ def main(out: Path) -> None:
     refusal(
         out, "trainer_replicated_module", lambda: trainer(ReplicateStrategy(), 1).fit(replicate(Regression()), loader())
     )
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="replicate")
+    fabric = L.Fabric(accelerator="cpu", devices=DEVICES, strategy="replicate")
     fabric.launch()
     refusal(out, "fabric_replicated_module", lambda: fabric.setup(replicate(network())))
     dist.barrier()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), averaging_only="--averaging" in sys.argv[2:])

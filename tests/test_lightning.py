@@ -5,6 +5,13 @@ torchrun (Lightning finds torchrun's environment and launches nothing
 itself); tests/lightning_runs.py says what each run does. The model has a
 BatchNorm, trained with gradient accumulation (2 micro-batches a step).
 
+On 2 ranks ours is bitwise equal to ``"ddp"``; but with two ranks any
+correct mean is bitwise the same ((a + b) / 2 and a / 2 + b / 2 round alike),
+so the averaging is also compared on 3 ranks (SGD, rank-different data):
+there DDP divides each share by 3 before the sum and ours divides the sum,
+so the parameters agree within rounding (rtol 1e-5, atol 1e-6; a missing or
+doubled average is far outside it), and ours are bitwise equal across ranks.
+
 Known difference, not the strategy's: DDP skips its buffer broadcast in the
 forward after a ``no_sync`` forward; replicate() broadcasts before every
 forward with gradients. So under accumulation the BatchNorm running
@@ -25,6 +32,7 @@ import torch
 
 pytest.importorskip("lightning", reason="the lightning extra: pip install 'torchreplicate[lightning]'")
 
+from lightning_runs import network  # noqa: E402
 from torchreplicate.integrations.lightning import FabricReplicateStrategy, ReplicateStrategy  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -32,17 +40,31 @@ RANKS = (0, 1)
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Runs tests/lightning_runs.py on 2 ranks once; the folder of its results."""
-    out = tmp_path_factory.mktemp("lightning")
+def _launch(out: Path, nprocs: int, *options: str) -> Path:
+    """Runs tests/lightning_runs.py on ``nprocs`` ranks; the folder of its results."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs)]
     done = subprocess.run(
-        [*command, str(HERE / "lightning_runs.py"), str(out)], env=env, capture_output=True, text=True, timeout=400
+        [*command, str(HERE / "lightning_runs.py"), str(out), *options],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert done.returncode == 0, f"the Lightning runs failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every run of tests/lightning_runs.py, on 2 ranks, once."""
+    return _launch(tmp_path_factory.mktemp("lightning"), 2)
+
+
+@pytest.fixture(scope="module")
+def runs_on_three(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The averaging runs of tests/lightning_runs.py (``"ddp"`` and ours, SGD), on 3 ranks, once."""
+    return _launch(tmp_path_factory.mktemp("lightning3"), 3, "--averaging")
 
 
 def load(runs: Path, run: str, rank: int) -> dict[str, Any]:
@@ -70,6 +92,25 @@ def test_bitwise_equal_to_ddp(runs, framework, run):
         if framework == "trainer":
             assert ours["loss"] == ddp["loss"], "the loss logged with sync_dist=True differs"
             assert ours["model_is_module"], "trainer.model is not the LightningModule itself"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["trainer", "fabric"])
+def test_three_ranks_average_as_ddp_within_rounding_and_replicas_are_bitwise_equal(runs_on_three, framework):
+    ours = [load(runs_on_three, f"{framework}_replicate", rank)["state_dict"] for rank in range(3)]
+    ddp = [load(runs_on_three, f"{framework}_ddp", rank)["state_dict"] for rank in range(3)]
+    for rank in range(3):
+        mismatched = differing(ours[rank], ours[0], buffers=False)
+        assert not mismatched, f"rank {rank}: our replicas differ from rank 0's: {mismatched}"
+        for name, tensor in ours[rank].items():
+            if not name.endswith(BUFFERS):
+                torch.testing.assert_close(
+                    tensor, ddp[rank][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+                )
+    prefix = "net." if framework == "trainer" else ""  # the Trainer's LightningModule holds the network as .net
+    start = {prefix + k: v for k, v in network().state_dict().items()}  # rank 0's initial weights
+    trained = [k for k in start if not k.endswith(BUFFERS) and not torch.equal(ours[0][k], start[k])]
+    assert trained, "no parameter moved: the comparison would hold for an untrained model"
 
 
 @pytest.mark.timeout(420)

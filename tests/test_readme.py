@@ -2,7 +2,7 @@
 
 A fenced block right after an HTML comment ``<!-- runnable: KIND; file: NAME;
 expect: TEXT -->`` is run, in document order, in one temporary folder per
-document (the README's Development section describes the convention):
+document (docs/contributing.md describes the convention):
 
 - ``torchrun N``: the block saved as a script and run on N local gloo ranks
   (``python -m torch.distributed.run --standalone --nproc-per-node N``; the
@@ -144,6 +144,50 @@ def test_the_markers_are_there_and_well_formed():
     assert "replicate(model)" in first.code, "the README's first runnable block must be its first example"
     if first.kind == "save":
         assert any(first.file in block.code for block in readme[1:]), f"no README block runs {first.file}"
+
+
+# Any fenced Python block, marked runnable or not
+PYTHON_FENCE = re.compile(
+    r"^(?P<marker><!--\s*runnable:[^>]*-->\n)?```python\n(?P<code>.*?)\n```", re.DOTALL | re.MULTILINE
+)
+
+
+def unmarked_python_blocks(text: str, document: str) -> list[str]:
+    """Where ``text`` has a Python block that is neither runnable nor says, in its first line, that it is a fragment."""
+    found = []
+    for match in PYTHON_FENCE.finditer(text):
+        if not match["marker"] and not match["code"].startswith("# fragment"):
+            found.append(f"{document}:{text.count(chr(10), 0, match.start()) + 1}: {match['code'].splitlines()[0]!r}")
+    return found
+
+
+def test_every_python_block_runs_or_says_it_is_a_fragment():
+    found = [where for document in DOCUMENTS for where in unmarked_python_blocks(document.read_text(), document.name)]
+    assert not found, (
+        "Python blocks that no test runs and that do not start with '# fragment': mark them runnable"
+        " (docs/contributing.md) or say what the reader supplies:\n" + "\n".join(found)
+    )
+    assert unmarked_python_blocks("```python\nmodel(x)\n```\n", "x.md") == ["x.md:1: 'model(x)'"]
+    assert not unmarked_python_blocks("```python\n# fragment: model is yours\nmodel(x)\n```\n", "x.md")
+    assert not unmarked_python_blocks("<!-- runnable: python -->\n```python\nprint(1)\n```\n", "x.md")
+
+
+def shared_runs(text: str, other: str, length: int = 10) -> list[str]:
+    """The runs of ``length`` words that ``text`` copies from ``other`` (HTML comments left out)."""
+
+    def words(t: str) -> list[str]:
+        return re.findall(r"[\w'`.()-]+", re.sub(r"<!--.*?-->", "", t, flags=re.DOTALL))
+
+    seen = {tuple(run) for run in zip(*(words(other)[i:] for i in range(length)))}
+    return [" ".join(run) for run in zip(*(words(text)[i:] for i in range(length))) if run in seen]
+
+
+def test_the_docs_home_page_does_not_copy_the_readme():
+    copied = shared_runs((ROOT / "docs" / "index.md").read_text(), (ROOT / "README.md").read_text())
+    assert not copied, "docs/index.md repeats the README word for word (say it for the site's reader):\n" + "\n".join(
+        copied[:10]
+    )
+    assert shared_runs("a b c d e f g h i j k", "x a b c d e f g h i j y") == ["a b c d e f g h i j"]
 
 
 def test_a_marker_without_a_fence_is_an_error():

@@ -3,7 +3,7 @@
 ``trace_steps`` runs an engine's steps outside the timed rounds, stamping the
 end of the forward (loss computed), of ``backward()`` and of the optimizer
 step. For our engines it also subscribes to the library's public step
-timeline (``torchreplicate.timeline.subscribe``: one ``StepRecord`` per
+timeline (``torchreplicate.observe.timeline.subscribe``: one ``StepRecord`` per
 synchronised backward) for the first gradient hook of the backward, each
 bucket's launch (from a hook, or from the end of backward), the start of the
 end-of-backward work, each bucket's wait and the step's end. Every time is in

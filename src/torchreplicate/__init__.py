@@ -8,7 +8,7 @@ from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.checkpoint import load_ddp_state_dict
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.state import ReplicateState
-from torchreplicate.launcher import launch
+from torchreplicate.launcher import WorkerError, launch
 from torchreplicate.observe.summary import StepSummary, log_summary
 from torchreplicate.observe.tracing import trace
 from torchreplicate.observe.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
@@ -23,6 +23,7 @@ __all__ = [
     "ReplicateModule",
     "ReplicateState",
     "StepSummary",
+    "WorkerError",
     "launch",
     "load_ddp_state_dict",
     "log_summary",

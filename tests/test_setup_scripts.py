@@ -1,0 +1,118 @@
+"""scripts/setup.sh: where torch comes from, and what the demo's set-up installs.
+
+``torch_index_args`` (scripts/torch_index.sh) is a pure function of the facts
+it is given (GPU seen, TORCH_INDEX_URL set, its value), so every case runs
+here without a GPU and without a network. setup.sh itself runs against a fake
+``.venv/bin/python`` that records the pip commands it is given: the index
+options reach the torch install, the demo's set-up installs no development
+extra, and a second run installs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _index_args(gpu: str, override_set: str, override: str) -> subprocess.CompletedProcess:
+    script = 'source scripts/torch_index.sh && torch_index_args "$0" "$1" "$2"'
+    return subprocess.run(
+        ["bash", "-c", script, gpu, override_set, override], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.parametrize(
+    "gpu, override_set, override, expected",
+    [
+        ("no", "no", "", ["--extra-index-url", CPU_INDEX]),  # no GPU: the CPU wheels, not PyPI's CUDA build
+        ("yes", "no", "", []),  # a GPU: pip's own sources (PyPI's CUDA build)
+        (
+            "yes",
+            "yes",
+            "https://download.pytorch.org/whl/cu126",
+            ["--extra-index-url", "https://download.pytorch.org/whl/cu126"],
+        ),
+        ("no", "yes", "file:///opt/wheels-index", ["--extra-index-url", "file:///opt/wheels-index"]),
+        ("no", "yes", "default", []),  # the override wins over the missing GPU
+        ("yes", "yes", "default", []),
+    ],
+)
+def test_torch_index_follows_the_gpu_and_the_override(gpu, override_set, override, expected):
+    done = _index_args(gpu, override_set, override)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == expected
+
+
+def test_a_torch_index_that_is_no_url_is_refused_naming_the_variable():
+    done = _index_args("no", "yes", "cpu")
+    assert done.returncode == 2
+    assert "TORCH_INDEX_URL=cpu" in done.stderr and CPU_INDEX in done.stderr and "'default'" in done.stderr
+    assert done.stdout == ""
+
+
+def test_an_nvidia_smi_on_the_path_counts_as_a_gpu(tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    done = subprocess.run(
+        ["bash", "-c", "source scripts/torch_index.sh && nvidia_gpu_present"], cwd=ROOT, env=env, timeout=30
+    )
+    assert done.returncode == 0
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """setup.sh, torch_index.sh and pyproject.toml, with a .venv whose python logs its arguments."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("scripts/setup.sh", "scripts/torch_index.sh", "pyproject.toml"):
+        shutil.copy(ROOT / name, checkout / name)
+    python = checkout / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../pip.log"\n')
+    python.chmod(0o755)
+    return checkout
+
+
+def _setup(checkout: Path, *args: str) -> list[str]:
+    env = dict(os.environ, TORCH_INDEX_URL="https://example.invalid/whl")
+    done = subprocess.run(
+        ["bash", "scripts/setup.sh", *args], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    log = checkout / ".venv" / "pip.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_demo_set_up_installs_torch_from_the_index_and_no_development_extra(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    torch_install, package_install = _setup(checkout, "--demo")
+    expected = "--no-deps --extra-index-url https://example.invalid/whl torch==2.13.0"
+    assert torch_install.endswith(expected), torch_install
+    assert package_install.endswith("torch==2.13.0 -e .[plot]"), package_install  # no test, bench or docs extra
+    assert "index" not in package_install  # torch's dependencies from pip's own sources
+    assert _setup(checkout, "--demo") == [torch_install, package_install], "a second run installed again"
+
+
+def test_the_development_set_up_satisfies_the_demo(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    (checkout / ".venv" / ".torchreplicate-dev").write_text("stale\n")
+    assert _setup(checkout, "--demo")[-1].endswith("-e .[plot]")  # a stale development stamp counts for nothing
+    stamp = (checkout / ".venv" / ".torchreplicate-demo").read_text()
+    (checkout / ".venv" / ".torchreplicate-dev").write_text(stamp)
+    (checkout / ".venv" / ".torchreplicate-demo").unlink()
+    (checkout / ".venv" / "pip.log").unlink()
+    assert _setup(checkout, "--demo") == [], "the demo installed again over a current development set-up"
+
+
+def test_an_unknown_argument_is_refused():
+    done = subprocess.run(["bash", "scripts/setup.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "unknown argument '--gpu'" in done.stderr and "--demo" in done.stderr
