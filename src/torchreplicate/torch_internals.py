@@ -89,15 +89,31 @@ def buffers_of(module: nn.Module) -> dict[str, Any]:
     return module._buffers
 
 
+# [Note: no imports after init_process_group]
+# Importing ``torch.distributed.optim`` runs its zero_redundancy_optimizer
+# module, whose ``_broadcast_object(group=dist.group.WORLD)`` default is
+# evaluated then (torch 2.0 to 2.13): imported after init_process_group(), it
+# holds the world group for the life of the interpreter, so
+# destroy_process_group() no longer frees it and gloo's threads and store
+# connections meet the interpreter's teardown (issue 28: a rank aborted at exit
+# with "terminate called without an active exception"). replicate() runs after
+# init_process_group(), so it never imports that package: the in-backward
+# optimizer map is read only where the user's code imported it (it must have,
+# to apply one). tests/test_exit.py checks that a replicated model's group is
+# freed by destroy_process_group().
+_IN_BACKWARD_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
+
+
 def num_in_backward_optimizer_params() -> int:
     """How many parameters torch's ``_apply_optimizer_in_backward`` has claimed, process-wide.
 
     Reads the length of ``torch.distributed.optim.apply_optimizer_in_backward.
     param_to_optim_hook_handle_map`` (present since torch 2.0): a cheap stamp
     that moves when optimizer-in-backward is applied to any parameter.
+    Read only where the user's code imported that module: see [Note: no
+    imports after init_process_group].
     """
-    from torch.distributed.optim import apply_optimizer_in_backward as module
-
+    module = sys.modules.get(_IN_BACKWARD_MODULE)
     return len(getattr(module, "param_to_optim_hook_handle_map", ()))
 
 
@@ -110,11 +126,10 @@ def remove_in_backward_optimizer_hooks(param: nn.Parameter) -> None:
     the same map (torch >= 2.0). The optimizers stay in
     ``param._in_backward_optimizers``, where torch put them.
     """
-    from torch.distributed.optim import apply_optimizer_in_backward as module
-
-    for handle in module.param_to_optim_hook_handle_map.get(param, []):
+    hooks = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {})
+    for handle in hooks.get(param, []):
         handle.remove()
-    module.param_to_optim_hook_handle_map.pop(param, None)
+    hooks.pop(param, None)
 
 
 def num_composable_states() -> int:
