@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from harness import PG_TIMEOUT_S
 from models import DIM, data
@@ -171,9 +172,17 @@ def run_ranks(
 
 
 def train_steps(
-    rank: int, marks: list[float], steps: int, stall: Callable[[int, nn.Module], None], keep: bool = False
+    rank: int,
+    marks: list[float],
+    steps: int,
+    stall: Callable[[int, nn.Module], None],
+    keep: bool = False,
+    engine: str = "replicate",
 ) -> Any:
-    model = replicate(seeded(_net, 0), stall_timeout=STALL_S)
+    if engine == "ddp":  # the same job under torch DDP, for the comparisons
+        model: nn.Module = DistributedDataParallel(seeded(_net, 0))
+    else:
+        model = replicate(seeded(_net, 0), stall_timeout=STALL_S)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         stall(step, model)
@@ -185,10 +194,11 @@ def train_steps(
     return model if keep else steps
 
 
-def late_rank(rank: int, world_size: int, marks: list[float], seconds: float) -> Any:
+def late_rank(rank: int, world_size: int, marks: list[float], seconds: float, engine: str = "replicate") -> Any:
     """Rank 1 spends ``seconds`` alone before step 2's forward (a checkpoint save, a rank-0-only evaluation).
 
-    Returns the warnings the rank saw and its parameters after 4 steps.
+    Returns the warnings the rank saw and its parameters after 4 steps
+    (``engine``: "replicate", or "ddp" for the same job under torch DDP).
     """
 
     def stall(step: int, model: nn.Module) -> None:
@@ -197,7 +207,7 @@ def late_rank(rank: int, world_size: int, marks: list[float], seconds: float) ->
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        model = train_steps(rank, marks, 4, stall, keep=True)
+        model = train_steps(rank, marks, 4, stall, keep=True, engine=engine)
     stalls = [str(w.message) for w in seen if issubclass(w.category, StallWarning)]
     return stalls, [p.detach().tolist() for p in model.parameters()]  # no shared memory
 
@@ -234,6 +244,11 @@ def test_a_live_late_rank_draws_warnings_and_the_job_finishes_as_ddp_s_would():
         assert params == outcomes[0].result[1], f"rank {rank} differs from rank 0"  # bitwise, as lists
         for got, ref in zip(params, reference, strict=True):
             torch.testing.assert_close(torch.tensor(got), ref)
+    # DDP on the same job: waits too, and ends where ours does (up to its 1/3-before-the-sum rounding)
+    under_ddp = run_ranks(late_rank, 3, 8.0, "ddp")
+    assert [(o.exitcode, o.error) for o in under_ddp] == [(0, "")] * 3, under_ddp
+    for got, ddp in zip(outcomes[0].result[1], under_ddp[0].result[1], strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ddp), rtol=1e-5, atol=1e-6)
 
 
 def test_a_late_rank_past_the_group_s_own_timeout_raises_naming_it():
@@ -246,6 +261,10 @@ def test_a_late_rank_past_the_group_s_own_timeout_raises_naming_it():
     assert "rank 1 has been in user code after the backward of step 2 for" in out.error, out.error
     # the late rank meets a closed connection when it comes back: a clean error too
     assert outcomes[1].exitcode == 1 and outcomes[1].error.startswith("replicate(): rank 1: "), outcomes[1]
+    # DDP ends the same job the same way: the waiting rank fails at the group's timeout, gloo's words
+    under_ddp = run_ranks(late_rank, 2, 20.0, "ddp", pg_timeout_s=8)
+    assert under_ddp[0].exitcode == 1 and "Timed out" in under_ddp[0].error, under_ddp[0]
+    assert under_ddp[0].waited_s < out.waited_s + 4, (under_ddp[0].waited_s, out.waited_s)
 
 
 def _bucket_named(message: str) -> str:
