@@ -21,6 +21,7 @@ from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
+from torchreplicate.ddp_surface import DDPSurface
 from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
@@ -39,11 +40,12 @@ class _TheModel:
         return obj
 
 
-class ReplicateModule:
+class ReplicateModule(DDPSurface):
     """Methods every replicated module gains (its class becomes a subclass).
 
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
+    DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py).
 
     Attributes:
         module: the model itself. ``replicate()`` does not wrap, so the model
@@ -66,19 +68,6 @@ class ReplicateModule:
             requires_gradient_sync: True to average at the end of each backward.
         """
         get_state(self).set_requires_gradient_sync(requires_gradient_sync)
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """DDP's public switch, the same state as ``set_requires_gradient_sync``.
-
-        ``model.require_backward_grad_sync = False`` makes the next backwards
-        accumulate locally, as under DDP (and as ``no_sync()``, which sets it).
-        """
-        return get_state(self).requires_gradient_sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        get_state(self).set_requires_gradient_sync(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -165,7 +154,7 @@ class ReplicateModule:
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         state = find_state(self)
         if state is not None:
-            state.note_conversion()
+            state.note_change()
         return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:

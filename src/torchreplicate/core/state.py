@@ -21,7 +21,7 @@ from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import forward_hooks, join, lazy, nested
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
-from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
+from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
 from torchreplicate.core.registry import registration_count
 from torchreplicate.core.tied import TiedUses, to_split
 from torchreplicate.reducer.collectives import (
@@ -80,7 +80,7 @@ class ReplicateState:
         self.plan: Plan = EMPTY_PLAN
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
         self.lazy = lazy.LazyModules()  # lazy modules left out of the plan until they materialise
-        self._num_conversions = 0  # ReplicateModule._apply calls (.to(), .double(), ...)
+        self._num_noted_changes = 0  # note_change() calls: .to(), .double(), a new ignore list, ...
         # - Reduction. How gradients are reduced (from the options, or a
         #   registered comm hook) and whether they are: kept here, so every
         #   reducer built for the module (also after a re-plan) shares them.
@@ -268,9 +268,13 @@ class ReplicateState:
         """Every rank joined: back to no join rounds and the usual divisor."""
         join.end_join(self)
 
-    def note_conversion(self) -> None:
-        """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
-        self._num_conversions += 1
+    def note_change(self) -> None:
+        """Re-check what is replicated at the next forward ([Note: re-planning] in plan.py).
+
+        Called after ``module._apply`` (``.to()``, ``.double()``, ...) and
+        when ``_ddp_params_and_buffers_to_ignore`` is set on the replicated module.
+        """
+        self._num_noted_changes += 1
 
     # -- set-up and re-planning ----------------------------------------------
 
@@ -299,7 +303,7 @@ class ReplicateState:
         """What moves when the plan may have changed ([Note: re-planning])."""
         return (
             registration_count(),
-            self._num_conversions,
+            self._num_noted_changes,
             num_in_backward_optimizer_params(),
             num_composable_states(),
         )
@@ -310,7 +314,7 @@ class ReplicateState:
         nested.refuse_inside_fully_shard(module)
         skipped = list(self.config.ignored_modules) + self.lazy.modules()
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped, nested.nest_inner(self))
+        return make_plan(module, skipped, nested.nest_inner(self), ignored_names(module))
 
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
