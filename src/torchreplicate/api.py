@@ -254,9 +254,11 @@ def replicate(
             same on a replica that joins later (torchft; needs ``bucket_cap_mb``).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
-        broadcast_buffers: before every forward, give every rank rank 0's
-            buffers (e.g. BatchNorm statistics); they are broadcast at set-up
-            either way. Default None: True (DDP 2.13's default spelling).
+        broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm
+            statistics) at set-up and before forwards, by DDP's rules
+            ([Note: buffer sync] in core/buffers.py); False: never, not even
+            at set-up (DDP's ``forward_sync_buffers=False`` keeps the set-up
+            broadcast). Default None: True (DDP 2.13's default spelling).
         find_unused_parameters: accepted for DDP call sites; unused
             parameters are always handled, so True only warns. Default False.
         static_graph: accepted for DDP call sites; the reducer learns the
@@ -301,7 +303,8 @@ def replicate(
     refuse_positional(positional)
     _refuse_unsupported(module)
     own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(module, ddp_arguments, {**own, "init_sync": True})
+    options = translate(module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None})
+    broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
     process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
@@ -310,7 +313,8 @@ def replicate(
         first_bucket_cap_mb=first_bucket_cap_mb,
         bucket_layout=bucket_layout,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=True if options["broadcast_buffers"] is None else options["broadcast_buffers"],
+        broadcast_buffers=broadcast,
+        init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         reduce_dtype=reduce_dtype,
