@@ -25,7 +25,7 @@ def train_batchnorm(rank, world_size, *, broadcast_buffers):
     model = seeded(Norms, 0)
     replicate(model, broadcast_buffers=broadcast_buffers)
     for step in range(3):
-        # two forwards through BatchNorm before one backward (DDP's in-place failure)
+        # two forwards through BatchNorm before one backward: the in-place broadcast keeps the version counter
         first = model(data(rank, step) + rank)
         second = model(data(rank, step + 50) + rank)
         (first.pow(2).mean() + second.pow(2).mean()).backward()

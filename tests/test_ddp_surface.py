@@ -139,3 +139,133 @@ def ignore_list_checked(rank, world_size):
 
 def test_ignore_list_is_checked(pools):
     pools.run(2, ignore_list_checked)
+
+
+SAME_VALUE = (
+    "device_ids",
+    "output_device",
+    "dim",
+    "broadcast_buffers",
+    "forward_sync_buffers",
+    "find_unused_parameters",
+    "static_graph",
+    "require_backward_grad_sync",
+    "require_forward_param_sync",
+    "gradient_as_bucket_view",
+    "bucket_bytes_cap",
+    "device_type",
+)
+
+
+def assert_same_surface(ours: nn.Module, wrapped: DDP, where: str) -> None:
+    for name in SAME_VALUE:
+        mine, theirs = getattr(ours, name), getattr(wrapped, name)
+        assert mine == theirs, f"{where}: {name} is {mine!r}, DDP's {theirs!r}"
+    assert ours.will_sync_module_buffers() == wrapped.will_sync_module_buffers(), f"{where}: will_sync_module_buffers"
+    assert set(ours.parameters_to_ignore) == wrapped.parameters_to_ignore, f"{where}: parameters_to_ignore"
+    assert ours.process_group is wrapped.process_group, f"{where}: process_group"
+
+
+def one_step(runners: tuple[nn.Module, ...], rank: int, step: int) -> None:
+    for runner in runners:
+        runner(batch(rank, step)).square().mean().backward()
+
+
+def surface_as_ddp(rank, world_size):
+    """Every DDP attribute and method: DDP's value, and DDP's effect, on the same job."""
+    ours, theirs = rank_model(rank), rank_model(rank)
+    for model in (ours, theirs):
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["tables.weight"])
+    replicate(ours, gradient_as_bucket_view=False)  # DDP's default, so the value compares
+    wrapped = DDP(theirs)
+    assert_same_surface(ours, wrapped, f"rank {rank}, after set-up")
+    mine, ddp = ours._get_ddp_logging_data(), wrapped._get_ddp_logging_data()
+    for key, value in mine.items():
+        assert value == ddp[key], f"rank {rank}: _get_ddp_logging_data()[{key!r}] is {value!r}, DDP's {ddp[key]!r}"
+    with ours.no_sync(), wrapped.no_sync():
+        one_step((ours, wrapped), rank, 0)
+        assert_same_surface(ours, wrapped, f"rank {rank}, after a forward under no_sync")  # no broadcast due
+    one_step((ours, wrapped), rank, 1)
+    assert_same_surface(ours, wrapped, f"rank {rank}, after a synced step")
+    assert_as_ddp(ours, wrapped, f"rank {rank}, after a synced step")
+    # DDP's run-time switches, set on both: the buffers follow, as DDP's
+    for runner in (ours, wrapped):
+        runner.require_forward_param_sync = False  # the next forward skips the buffer broadcast
+    assert_same_surface(ours, wrapped, f"rank {rank}, require_forward_param_sync=False")
+    one_step((ours, wrapped), rank, 2)
+    assert_as_ddp(ours, wrapped, f"rank {rank}, after a forward with require_forward_param_sync=False")
+    for runner in (ours, wrapped):
+        runner.broadcast_buffers = False
+    one_step((ours, wrapped), rank, 3)
+    assert_same_surface(ours, wrapped, f"rank {rank}, broadcast_buffers=False")
+    assert_as_ddp(ours, wrapped, f"rank {rank}, after a forward with broadcast_buffers=False")
+    for runner in (ours, wrapped):
+        runner.forward_sync_buffers = True
+    one_step((ours, wrapped), rank, 4)
+    assert_as_ddp(ours, wrapped, f"rank {rank}, forward_sync_buffers=True again")
+
+    for runner in (ours, wrapped):  # after training started: refused by both, DDP's message first
+        with pytest.raises(RuntimeError, match=r"set_static_graph\(\) should be called before training loop starts"):
+            runner._set_static_graph()
+
+    # _set_static_graph() before training: accepted (it changes nothing here), as DDP
+    ours, wrapped = replicate(rank_model(0)), DDP(rank_model(0))
+    with pytest.warns(UserWarning, match="static_graph=True has no effect"):
+        ours._set_static_graph()
+    wrapped._set_static_graph()
+    assert ours.static_graph is True and wrapped.static_graph is True
+    one_step((ours, wrapped), rank, 5)
+    assert_as_ddp(ours, wrapped, f"rank {rank}, a step after _set_static_graph()")
+    for runner in (ours, wrapped):  # again, after training: only a warning, as DDP
+        with pytest.warns(UserWarning, match="no need to set it again"):
+            runner._set_static_graph()
+
+
+def test_surface_as_ddp(pools):
+    pools.run(2, surface_as_ddp)
+
+
+class OwnNames(nn.Module):
+    """A model with its own attributes under DDP's names: they win."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dim = 512
+        self.device_type = nn.Linear(2, 2)  # a submodule
+        self.lin = nn.Linear(2, 2)
+
+    def gather(self) -> str:
+        return "mine"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.device_type(x))
+
+
+def refusals_and_own_names(rank, world_size):
+    model = replicate(Ranker())
+    for name, value, fix in (
+        ("process_group", None, "process_group= or mesh="),
+        ("bucket_bytes_cap", 1, "bucket_cap_mb="),
+        ("gradient_as_bucket_view", False, "gradient_as_bucket_view="),
+        ("device_ids", [0], "device_id="),
+        ("find_unused_parameters", True, "always handled"),
+        ("static_graph", True, "_set_static_graph"),
+        ("parameters_to_ignore", {"head.weight"}, "_ddp_params_and_buffers_to_ignore"),
+    ):
+        with pytest.raises(AttributeError, match=f"{name} is DDP's attribute.*{fix}"):
+            setattr(model, name, value)
+    with pytest.raises(TypeError, match=r"broadcast_buffers \(forward_sync_buffers\) must be True or False, got 'yes'"):
+        model.broadcast_buffers = "yes"
+    with pytest.raises(RuntimeError, match=r"_register_fused_optim\(SGD.*_apply_optimizer_in_backward"):
+        model._register_fused_optim(torch.optim.SGD, lr=0.1)
+    with pytest.raises(AssertionError, match="Gather function not implemented for CPU"):  # as DDP's, on the CPU
+        model.gather([torch.ones(1)], -1)
+    own = replicate(OwnNames())
+    assert own.dim == 512 and own.gather() == "mine" and isinstance(own.device_type, nn.Linear)
+    own.dim = 3  # the model's own attribute: a plain assignment
+    assert own.dim == 3
+    assert own.process_group is replicate.state(own).group  # DDP's names it does not have are DDP's
+
+
+def test_refusals_and_the_model_s_own_names(pools):
+    pools.run(2, refusals_and_own_names)

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -21,23 +21,9 @@ from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
-from torchreplicate.ddp_surface import DDPSurface
+from torchreplicate.ddp_surface import OWN_NAMES_WIN, DDPSurface
 from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
-
-
-class _TheModel:
-    # `model.module` (see ReplicateModule): the model, unless it has a
-    # parameter, buffer or submodule of that name. Not a data descriptor, so an
-    # instance attribute `module` wins too; state_dict keys are untouched.
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        for store in ("_parameters", "_buffers", "_modules"):
-            values = obj.__dict__.get(store)
-            if values is not None and "module" in values:
-                return values["module"]
-        return obj
 
 
 class ReplicateModule(DDPSurface):
@@ -46,15 +32,7 @@ class ReplicateModule(DDPSurface):
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
     DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py).
-
-    Attributes:
-        module: the model itself. ``replicate()`` does not wrap, so the model
-            is the module; provided so DDP code that unwraps ``model.module``
-            keeps working. A model's own ``module`` (a submodule, parameter,
-            buffer or attribute of that name) wins.
     """
-
-    module = _TheModel()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Turns gradient averaging on (default) or off for the next backwards.
@@ -134,20 +112,6 @@ class ReplicateModule(DDPSurface):
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """torch's ``Joinable`` protocol: the hook a joined rank runs (see ``join``)."""
-        return get_state(self).join_hook(**kwargs)
-
-    @property
-    def join_device(self) -> torch.device:
-        """torch's ``Joinable`` protocol: where the join collectives run."""
-        return get_state(self).collective_device()
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """torch's ``Joinable`` protocol: the group averaged over."""
-        return get_state(self).group
-
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # .to(), .double(), .half(), .cuda(), ... on the replicated root: the
         # next forward re-plans ([Note: re-planning] in plan.py).
@@ -182,8 +146,9 @@ Joinable.register(ReplicateModule)  # torch's Join protocol, by duck typing (no 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
     namespace = {"__module__": cls.__module__, "original_class": cls}
-    if hasattr(cls, "module"):  # the model class's own `module` wins over ReplicateModule's
-        namespace["module"] = inspect.getattr_static(cls, "module")
+    for name in OWN_NAMES_WIN:  # the model class's own wins ([Note: the model's own names win] in ddp_surface.py)
+        if hasattr(cls, name):
+            namespace[name] = inspect.getattr_static(cls, name)
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), namespace)
 
 
@@ -303,7 +268,7 @@ def replicate(
     refuse_positional(positional)
     _refuse_unsupported(module)
     own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None})
+    options = translate(module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0})
     broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
     process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
@@ -315,6 +280,7 @@ def replicate(
         gradient_as_bucket_view=gradient_as_bucket_view,
         broadcast_buffers=broadcast,
         init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
+        dim=options["dim"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         reduce_dtype=reduce_dtype,

@@ -49,6 +49,7 @@ class ReplicateConfig:
     gradient_divide_factor: Optional[float] = None
     stall_timeout: Union[float, timedelta, None] = 60.0
     mp_policy: Any = None  # a torch.distributed.fsdp.MixedPrecisionPolicy
+    dim: Any = 0  # DDP's scatter dimension: no effect (ddp_args.py), kept to answer model.dim as DDP does
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:

@@ -126,8 +126,9 @@ def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str
         module: the model (some arguments are checked against its device).
         arguments: the DDP-only keyword arguments given to ``replicate()``.
         options: replicate()'s own values of ``device_id``,
-            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``, and
-            ``init_sync_buffers`` (None: as ``broadcast_buffers``), set here.
+            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``;
+            ``init_sync_buffers`` (None: as ``broadcast_buffers``) and
+            ``dim``, DDP's, are set here.
 
     Returns:
         ``options``, updated.
@@ -197,6 +198,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    options["dim"] = value  # what model.dim answers (ddp_surface.py)
     if value != 0:
         why = (
             "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "

@@ -267,11 +267,7 @@ class ReplicateState:
         join.end_join(self)
 
     def note_change(self) -> None:
-        """Re-check what is replicated at the next forward ([Note: re-planning] in plan.py).
-
-        Called after ``module._apply`` (``.to()``, ``.double()``, ...) and
-        when ``_ddp_params_and_buffers_to_ignore`` is set on the replicated module.
-        """
+        """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
         self._num_noted_changes += 1
 
     # -- set-up and re-planning ----------------------------------------------
