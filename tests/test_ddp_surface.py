@@ -260,6 +260,15 @@ def refusals_and_own_names(rank, world_size):
         model._register_fused_optim(torch.optim.SGD, lr=0.1)
     with pytest.raises(AssertionError, match="Gather function not implemented for CPU"):  # as DDP's, on the CPU
         model.gather([torch.ones(1)], -1)
+    model(batch(rank, 0)).sum().backward()
+    if rank == 0:  # one rank evaluates alone: no collective, and the buffer switch stays (docs/migration.md)
+        with torch.no_grad():
+            model.eval()(batch(rank, 1))
+    assert model.require_forward_param_sync and model.will_sync_module_buffers()
+    seen = []  # the statistics BatchNorm starts from: after the root's broadcast, before its own update
+    model.norm.register_forward_pre_hook(lambda module, args: seen.append(module.running_var.clone()))
+    model.train()(batch(rank, 2)).sum().backward()  # every rank: the broadcast is still due, and runs
+    assert same_on_every_rank(seen[0]), "the forward after a no_grad forward did not broadcast buffers"
     own = replicate(OwnNames())
     assert own.dim == 512 and own.gather() == "mine" and isinstance(own.device_type, nn.Linear)
     own.dim = 3  # the model's own attribute: a plain assignment

@@ -28,13 +28,13 @@ buffer hold on each rank what they would hold under DDP on the same job:
   the buffer: BatchNorm saves its running statistics for backward, so two
   forwards before one backward would fail in that backward. As DDP's
   ``_sync_buffers`` does, the broadcast keeps each buffer's version counter
-  (``torch_internals.preserved_versions``). Safe where backward does not read
-  the values, or they did not change: BatchNorm's backward in training reads
-  the batch's statistics, not the running ones, and in evaluation the running
-  ones are already equal (every forward uses them as broadcast). A custom
-  buffer that one forward both saves and changes rank by rank, then the
-  broadcast of the next forward overwrites before the first one's backward,
-  would be read as rank 0's in that backward: as under DDP.
+  (``torch_internals.preserved_versions``). That is safe where the pending
+  backward does not read the values, or the broadcast does not change them:
+  BatchNorm's backward in training reads the batch's statistics, not the
+  running ones (checked on 2.13), and in evaluation the running ones do not
+  change, so a broadcast after the first writes the same values. Otherwise (a
+  buffer a pending backward reads, which the broadcast changes on this rank)
+  that backward reads the broadcast values, exactly as under DDP.
 """
 
 from __future__ import annotations
