@@ -196,3 +196,23 @@ def test_buffers_as_ddp(pools, options):
 def test_buffers_as_ddp_on_3_ranks(pools):
     pools.run(3, buffers_as_ddp, options={})
     pools.run(3, buffers_as_ddp, options={"forward_sync_buffers": False})
+
+
+def join_with_accumulation(rank, world_size):
+    """Uneven inputs with no_sync micro-batches: joined ranks follow the buffer decision of those still training."""
+    model = replicate(norms_on(rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(2 + 2 * rank):  # rank 1 trains two steps longer
+            with model.no_sync():  # its forward broadcasts; the next one does not (DDP's rule)
+                model(data(rank, 10 * step) + rank).pow(2).mean().backward()
+            model(data(rank, 10 * step + 1) + rank).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_replicas_identical(model, "after the join")
+    for name, buffer in model.named_buffers():  # the final sync takes the last joiner's buffers
+        assert same_on_every_rank(buffer.reshape(-1)), f"rank {rank}: {name} differs after the join"
+
+
+def test_buffers_under_join_with_accumulation(pools):
+    pools.run(2, join_with_accumulation, timeout_s=90)
