@@ -141,6 +141,32 @@ def test_ignore_list_is_checked(pools):
     pools.run(2, ignore_list_checked)
 
 
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))  # a parameter of the root module itself
+        self.lin = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale)
+
+
+def root_parameter_ignored(rank, world_size):
+    """A listed parameter of the root itself is left alone too (DDP 2.13's reducer averages it: docs/migration.md)."""
+    torch.manual_seed(0)
+    model = Scaled()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["scale"])
+    replicate(model)
+    model(batch(rank, 0)).sum().backward()
+    assert replicate.state(model).param_names == ("lin.weight", "lin.bias")
+    assert not same_on_every_rank(model.scale.grad), "the listed root parameter was averaged"
+    assert same_on_every_rank(model.lin.weight.grad)
+
+
+def test_a_listed_root_parameter_is_left_alone(pools):
+    pools.run(2, root_parameter_ignored)
+
+
 SAME_VALUE = (
     "device_ids",
     "output_device",

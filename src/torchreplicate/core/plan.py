@@ -184,9 +184,12 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
     """The names in ``module._ddp_params_and_buffers_to_ignore`` (DDP's, set by torchrec and others).
 
     DDP 2.13 neither averages nor broadcasts (at set-up or before a forward)
-    the parameters and buffers so named; nor does ``replicate()``. Names
-    that match no parameter or buffer draw a warning: DDP would ignore them
-    without a word, leaving the tensor meant averaged.
+    the parameters and buffers so named; nor does ``replicate()``. (DDP's
+    reducer still averages a listed parameter of the root module itself: it
+    spells the name ``.scale`` where the list says ``scale``; here it is left
+    alone, as listed.) Names that match no parameter or buffer draw a
+    warning: DDP passes over them without a word, averaging the tensor that
+    was meant to be left alone.
 
     Raises:
         TypeError: not a collection of ``str`` (a single ``str``, which DDP
