@@ -25,7 +25,7 @@ def train_batchnorm(rank, world_size, *, broadcast_buffers):
     model = seeded(Norms, 0)
     replicate(model, broadcast_buffers=broadcast_buffers)
     for step in range(3):
-        # two forwards through BatchNorm before one backward (DDP's in-place failure)
+        # two forwards through BatchNorm before one backward: the in-place broadcast keeps the version counter
         first = model(data(rank, step) + rank)
         second = model(data(rank, step + 50) + rank)
         (first.pow(2).mean() + second.pow(2).mean()).backward()
@@ -96,3 +96,123 @@ def sync_batchnorm_trains(rank, world_size):
 )
 def test_sync_batchnorm_model_trains_identically(pools):
     pools.run(2, sync_batchnorm_trains)
+
+
+BUFFER_OPTIONS = [
+    {},
+    {"broadcast_buffers": False},
+    {"broadcast_buffers": True},
+    {"forward_sync_buffers": False},
+    {"forward_sync_buffers": True},
+    {"broadcast_buffers": False, "forward_sync_buffers": True},
+    {"broadcast_buffers": True, "forward_sync_buffers": False},
+]
+
+
+def norms_on(rank: int) -> Norms:
+    """The same weights everywhere; rank-different BatchNorm statistics, as after a local warm-up."""
+    model = seeded(Norms, 0)
+    with torch.no_grad():
+        model.bn.running_mean.add_(rank)
+        model.bn.running_var.mul_(rank + 1)
+        model.bn.num_batches_tracked.add_(rank)
+    return model
+
+
+def assert_buffers_as_ddp(ours: nn.Module, theirs: nn.Module, exact: bool, where: str) -> None:
+    """Parameters, gradients and buffers equal to DDP's on this rank (bitwise on 2 ranks)."""
+    mine = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
+    ddp = {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())}
+    for name, tensor in mine.items():
+        pairs = [(tensor, ddp[name], name)]
+        if tensor.grad is not None or ddp[name].grad is not None:
+            assert tensor.grad is not None and ddp[name].grad is not None, f"{where}: {name}.grad missing on one side"
+            pairs.append((tensor.grad, ddp[name].grad, f"{name}.grad"))
+        for a, b, what in pairs:
+            if exact:
+                assert torch.equal(a, b), f"{where}: {what} differs from DDP's by {float((a - b).abs().max()):.3g}"
+            else:  # 3 ranks: DDP divides before summing, ours after (a last-bit difference)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {what}: {m}")
+
+
+def buffers_as_ddp(rank, world_size, *, options):
+    """Set-up, no_sync accumulation, two forwards per backward and an eval forward: buffers as DDP's."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours, theirs = norms_on(rank), norms_on(rank)
+    held, held_ddp = ours.bn.running_mean, theirs.bn.running_mean  # references a user keeps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # both spellings given: each warns, as it should
+        replicate(ours, **options)
+        wrapped = DDP(theirs, **options)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    exact = world_size == 2
+
+    def check(where):
+        assert_buffers_as_ddp(ours, theirs, exact, f"rank {rank}, {options}, {where}")
+        assert held is ours.bn.running_mean, f"rank {rank}: {where}: bn.running_mean was replaced, not updated"
+        assert held_ddp is theirs.bn.running_mean
+
+    def micro_batch(step, sync=None, *, forwards=1):
+        for runner in (ours, wrapped):
+            if sync is not None:
+                runner.require_backward_grad_sync = sync
+            loss = sum(runner(data(rank, 10 * step + k) + rank).pow(2).mean() for k in range(forwards))
+            loss.backward()
+            if sync is not None:
+                runner.require_backward_grad_sync = True
+
+    check("after set-up")
+    for step in range(2):
+        with ours.no_sync(), wrapped.no_sync():  # accumulation: only the first forward broadcasts
+            micro_batch(step)
+            check(f"step {step}, first micro-batch (no_sync)")
+            micro_batch(step + 100, forwards=2)  # two forwards before one backward
+            check(f"step {step}, second micro-batch (no_sync)")
+        micro_batch(step + 200)
+        check(f"step {step}, synced micro-batch")
+        micro_batch(step + 300, False)  # DDP's switch: the next forward does not broadcast
+        micro_batch(step + 400, True, forwards=2)
+        check(f"step {step}, after the switch")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.eval(), theirs.eval()
+    ours(data(rank, 999)).sum().backward(), wrapped(data(rank, 999)).sum().backward()  # eval with grad: as DDP
+    check("an eval forward with gradients")
+    if options.get("forward_sync_buffers", options.get("broadcast_buffers", True)):
+        assert same_on_every_rank(ours.bn.running_mean), "buffers differ after a broadcasting forward"
+
+
+@pytest.mark.parametrize(
+    "options", BUFFER_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults"
+)
+def test_buffers_as_ddp(pools, options):
+    pools.run(2, buffers_as_ddp, options=options)
+
+
+def test_buffers_as_ddp_on_3_ranks(pools):
+    pools.run(3, buffers_as_ddp, options={})
+    pools.run(3, buffers_as_ddp, options={"forward_sync_buffers": False})
+
+
+def join_with_accumulation(rank, world_size):
+    """Uneven inputs with no_sync micro-batches: joined ranks follow the buffer decision of those still training."""
+    model = replicate(norms_on(rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(2 + 2 * rank):  # rank 1 trains two steps longer
+            with model.no_sync():  # its forward broadcasts; the next one does not (DDP's rule)
+                model(data(rank, 10 * step) + rank).pow(2).mean().backward()
+            model(data(rank, 10 * step + 1) + rank).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_replicas_identical(model, "after the join")
+    for name, buffer in model.named_buffers():  # the final sync takes the last joiner's buffers
+        assert same_on_every_rank(buffer.reshape(-1)), f"rank {rank}: {name} differs after the join"
+
+
+def test_buffers_under_join_with_accumulation(pools):
+    pools.run(2, join_with_accumulation, timeout_s=90)

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -21,38 +21,18 @@ from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
+from torchreplicate.ddp_surface import OWN_NAMES_WIN, DDPSurface
 from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
 
-class _TheModel:
-    # `model.module` (see ReplicateModule): the model, unless it has a
-    # parameter, buffer or submodule of that name. Not a data descriptor, so an
-    # instance attribute `module` wins too; state_dict keys are untouched.
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        for store in ("_parameters", "_buffers", "_modules"):
-            values = obj.__dict__.get(store)
-            if values is not None and "module" in values:
-                return values["module"]
-        return obj
-
-
-class ReplicateModule:
+class ReplicateModule(DDPSurface):
     """Methods every replicated module gains (its class becomes a subclass).
 
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
-
-    Attributes:
-        module: the model itself. ``replicate()`` does not wrap, so the model
-            is the module; provided so DDP code that unwraps ``model.module``
-            keeps working. A model's own ``module`` (a submodule, parameter,
-            buffer or attribute of that name) wins.
+    DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py).
     """
-
-    module = _TheModel()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Turns gradient averaging on (default) or off for the next backwards.
@@ -66,19 +46,6 @@ class ReplicateModule:
             requires_gradient_sync: True to average at the end of each backward.
         """
         get_state(self).set_requires_gradient_sync(requires_gradient_sync)
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        """DDP's public switch, the same state as ``set_requires_gradient_sync``.
-
-        ``model.require_backward_grad_sync = False`` makes the next backwards
-        accumulate locally, as under DDP (and as ``no_sync()``, which sets it).
-        """
-        return get_state(self).requires_gradient_sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        get_state(self).set_requires_gradient_sync(value)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -145,27 +112,13 @@ class ReplicateModule:
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """torch's ``Joinable`` protocol: the hook a joined rank runs (see ``join``)."""
-        return get_state(self).join_hook(**kwargs)
-
-    @property
-    def join_device(self) -> torch.device:
-        """torch's ``Joinable`` protocol: where the join collectives run."""
-        return get_state(self).collective_device()
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """torch's ``Joinable`` protocol: the group averaged over."""
-        return get_state(self).group
-
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # .to(), .double(), .half(), .cuda(), ... on the replicated root: the
         # next forward re-plans ([Note: re-planning] in plan.py).
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         state = find_state(self)
         if state is not None:
-            state.note_conversion()
+            state.note_change()
         return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -193,8 +146,9 @@ Joinable.register(ReplicateModule)  # torch's Join protocol, by duck typing (no 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
     namespace = {"__module__": cls.__module__, "original_class": cls}
-    if hasattr(cls, "module"):  # the model class's own `module` wins over ReplicateModule's
-        namespace["module"] = inspect.getattr_static(cls, "module")
+    for name in OWN_NAMES_WIN:  # the model class's own wins ([Note: the model's own names win] in ddp_surface.py)
+        if hasattr(cls, name):
+            namespace[name] = inspect.getattr_static(cls, name)
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), namespace)
 
 
@@ -265,9 +219,11 @@ def replicate(
             same on a replica that joins later (torchft; needs ``bucket_cap_mb``).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
-        broadcast_buffers: before every forward, give every rank rank 0's
-            buffers (e.g. BatchNorm statistics); they are broadcast at set-up
-            either way. Default None: True (DDP 2.13's default spelling).
+        broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm
+            statistics) at set-up and before forwards, by DDP's rules
+            ([Note: buffer sync] in core/buffers.py); False: never, not even
+            at set-up (DDP's ``forward_sync_buffers=False`` keeps the set-up
+            broadcast). Default None: True (DDP 2.13's default spelling).
         find_unused_parameters: accepted for DDP call sites; unused
             parameters are always handled, so True only warns. Default False.
         static_graph: accepted for DDP call sites; the reducer learns the
@@ -312,7 +268,8 @@ def replicate(
     refuse_positional(positional)
     _refuse_unsupported(module)
     own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(module, ddp_arguments, {**own, "init_sync": True})
+    options = translate(module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0})
+    broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
     process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
@@ -321,7 +278,9 @@ def replicate(
         first_bucket_cap_mb=first_bucket_cap_mb,
         bucket_layout=bucket_layout,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=True if options["broadcast_buffers"] is None else options["broadcast_buffers"],
+        broadcast_buffers=broadcast,
+        init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
+        dim=options["dim"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         reduce_dtype=reduce_dtype,

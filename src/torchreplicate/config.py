@@ -41,13 +41,15 @@ class ReplicateConfig:
     bucket_layout: str = "learned"  # "fixed": registration order and the caps given, never rebuilt
     first_bucket_cap_mb: float = 1.0
     gradient_as_bucket_view: bool = True
-    broadcast_buffers: bool = True
+    broadcast_buffers: bool = True  # before forwards (DDP's forward_sync_buffers); core/buffers.py
+    init_sync_buffers: bool = True  # at set-up: False only for broadcast_buffers=False alone, as DDP
     find_unused_parameters: bool = False
     static_graph: bool = False
     reduce_dtype: Optional[torch.dtype] = None
     gradient_divide_factor: Optional[float] = None
     stall_timeout: Union[float, timedelta, None] = 60.0
     mp_policy: Any = None  # a torch.distributed.fsdp.MixedPrecisionPolicy
+    dim: Any = 0  # DDP's scatter dimension: no effect (ddp_args.py), kept to answer model.dim as DDP does
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:
@@ -72,6 +74,7 @@ class ReplicateConfig:
             "reduce_dtype": str(self.wire_dtype),
             "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
             "broadcast_buffers": str(self.broadcast_buffers),
+            "init_sync_buffers": str(self.init_sync_buffers),
         }
 
     def __post_init__(self) -> None:
@@ -87,7 +90,8 @@ class ReplicateConfig:
                     "replicate(): ignored_modules must hold nn.Module objects, got "
                     f"{type(module).__name__}; pass e.g. ignored_modules=[model.head]"
                 )
-        for option in ("gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "static_graph"):
+        switches = ("gradient_as_bucket_view", "broadcast_buffers", "init_sync_buffers", "find_unused_parameters")
+        for option in (*switches, "static_graph"):
             value = getattr(self, option)
             if not isinstance(value, bool):
                 raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")

@@ -126,7 +126,9 @@ def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str
         module: the model (some arguments are checked against its device).
         arguments: the DDP-only keyword arguments given to ``replicate()``.
         options: replicate()'s own values of ``device_id``,
-            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``.
+            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``;
+            ``init_sync_buffers`` (None: as ``broadcast_buffers``) and
+            ``dim``, DDP's, are set here.
 
     Returns:
         ``options``, updated.
@@ -196,6 +198,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
+    options["dim"] = value  # what model.dim answers (ddp_surface.py)
     if value != 0:
         why = (
             "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "
@@ -282,10 +285,14 @@ def _batched_grad_copy(value: Any, options: dict[str, Any], module: nn.Module) -
 
 
 def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    # DDP 2.13's new name for broadcasting buffers before each forward; it
-    # keeps the broadcast at set-up, as replicate(broadcast_buffers=) does.
+    # DDP 2.13's new name for broadcasting buffers before each forward. Unlike
+    # broadcast_buffers=False, forward_sync_buffers=False keeps the broadcast
+    # at set-up, in DDP as here ([Note: buffer sync] in core/buffers.py).
     if value is None:
         return
+    if not isinstance(value, bool):
+        raise TypeError(f"replicate(): forward_sync_buffers must be True, False or None, got {value!r}")
+    options["init_sync_buffers"] = True
     if options["broadcast_buffers"] is not None:
         warnings.warn(
             "replicate(): both broadcast_buffers and forward_sync_buffers were given; forward_sync_buffers "

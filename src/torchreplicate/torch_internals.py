@@ -13,7 +13,7 @@ overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,11 +82,6 @@ def parameters_of(module: nn.Module) -> dict[str, Any]:
     ``torch.func.functional_call`` do the same.
     """
     return module._parameters
-
-
-def buffers_of(module: nn.Module) -> dict[str, Any]:
-    """``module._buffers``, the dict ``nn.Module`` keeps its own buffers in (every torch); see ``parameters_of``."""
-    return module._buffers
 
 
 # [Note: no imports after init_process_group]
@@ -215,3 +210,14 @@ def group_timeout(group: Any) -> float:
         return float(group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError, ValueError):
         return float(dist.default_pg_timeout.total_seconds())
+
+
+def preserved_versions(tensors: Sequence[torch.Tensor]) -> Any:
+    """A context in which in-place writes to ``tensors`` leave their autograd version counters as they were.
+
+    ``torch.autograd._unsafe_preserve_version_counter`` (torch >= 2.1, no
+    public equivalent; checked on 2.13): what DDP's ``_sync_buffers`` wraps
+    its in-place buffer broadcast in. Why it is safe for the buffer
+    broadcast, and where it is not: [Note: buffer sync] in core/buffers.py.
+    """
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))

@@ -2,8 +2,9 @@
 
 Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check ([Note: re-planning] in plan.py) and
-the buffer broadcast; inputs cast (mp_policy). After it: outputs cast, and a
-hook on each output that queues the reducer's end-of-backward work. Both
+the buffer broadcast ([Note: buffer sync] in buffers.py); inputs cast
+(mp_policy). After it: whether the next forward broadcasts buffers, outputs
+cast, and a hook on each output that queues the reducer's end-of-backward work. Both
 hooks run at every forward, so they stay flat: bound methods registered
 directly, calling plain functions, with no wrapper layers between.
 """
@@ -16,11 +17,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.core.join import training_join_round
-from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
-from torchreplicate.torch_internals import buffers_of, compiled_autograd_enabled
+from torchreplicate.torch_internals import compiled_autograd_enabled
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -69,6 +70,8 @@ class ForwardHooks:
         state.tied.end()
         if state.nested:
             return output  # nested replicate: the enclosing module does this work
+        if torch.is_grad_enabled():
+            state.buffer_sync.note_forward(state.sync.on)
         if state.mixed is not None:
             output = state.mixed.cast_output(output)
         reducer = state.reducer
@@ -90,6 +93,7 @@ def sync_before_forward(state: ReplicateState) -> None:
         return  # no collective: one rank may evaluate alone ([Note: re-planning])
     if isinstance(state.reduction, HookReduction) and compiled_autograd_enabled():
         raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
+    buffers = state.buffer_sync.wanted  # [Note: buffer sync] in buffers.py
     buffer_source = 0
     if state.joining:  # inside a Join context ([Note: join] in join.py)
         buffer_source = training_join_round(state).source
@@ -98,35 +102,9 @@ def sync_before_forward(state: ReplicateState) -> None:
     plan = state.plan
     if state.stamp() != state.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
         state.replan_if_changed()
-    broadcast_buffers_from(state, buffer_source)
+    if buffers:
+        broadcast_buffers(state, buffer_source)
     state.tied.begin(state.reducer, state.sync.on)
-
-
-def broadcast_buffers_from(state: ReplicateState, source: int) -> None:
-    """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
-    if not (state.config.broadcast_buffers and state.plan.buffers and state.world_size > 1):
-        return
-    # Out of place: a graph from an earlier forward may have saved the old
-    # tensors (two forwards through BatchNorm before one backward). Set
-    # through _buffers, not setattr: setattr would run every global buffer
-    # registration hook, ours included ([Note: re-planning]), at every forward.
-    watch = state.watch
-    try:
-        fresh = broadcast_coalesced(
-            state.plan.buffer_values(),
-            state.group,
-            src_rank=source,
-            in_place=False,
-            waiter=state.probe.waiter,
-        )
-    except RuntimeError as error:
-        if watch is None or not is_transport_error(error):
-            raise
-        raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
-    for (owner, name), tensor in zip(state.plan.buffers, fresh, strict=True):
-        module = owner()
-        assert module is not None, "a buffer's owner outlives the plan while the root lives"
-        buffers_of(module)[name] = tensor
 
 
 def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) -> dict[str, Any]:

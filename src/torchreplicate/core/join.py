@@ -7,11 +7,12 @@ shadows the others' collectives until every rank has joined. Every
 iteration of a rank still training then runs, in this order:
 
 1. ``Join.notify_join_context`` (torch's: one all-reduce of a 1);
-2. one all-reduce of this module's join round: a one-hot of the rank and
-   whether this backward will sync (``JoinRound``); it tells every rank how
-   many ranks still train, the highest of them (the buffers' source: rank 0
-   may have joined with stale buffers) and whether to shadow a backward;
-3. the buffer broadcast, from that source;
+2. one all-reduce of this module's join round: a one-hot of the rank,
+   whether this backward will sync and whether this forward broadcasts
+   buffers (``JoinRound``); it tells every rank how many ranks still train,
+   the highest of them (the buffers' source: rank 0 may have joined with
+   stale buffers) and whether to shadow a backward;
+3. the buffer broadcast, from that source, if due ([Note: buffer sync]);
 4. the backward's buckets (the flags in the last), and a late round when
    the flags ask for one.
 
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
+from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import disable_join
@@ -53,24 +55,28 @@ class JoinRound(NamedTuple):
         num_training: ranks that have not joined.
         source: the highest of them (group rank): where buffers come from.
         sync: whether this iteration's backward averages gradients.
+        buffers: whether this iteration's forward broadcasts buffers ([Note: buffer sync]).
     """
 
     num_training: int
     source: int
     sync: bool
+    buffers: bool
 
 
 def join_round(state: ReplicateState, training: bool) -> JoinRound:
     """Runs one join round: a still-training rank sends its one-hot and sync flag; a joined rank zeros."""
     group = state.group
     world_size = dist.get_world_size(group)
-    vector = torch.zeros(world_size + 1, device=state.collective_device())
+    vector = torch.zeros(world_size + 2, device=state.collective_device())
     if training:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
+        vector[world_size + 1] = float(state.buffer_sync.wanted)
     all_reduce(vector, group, state.probe.waiter)
-    present = [r for r, v in enumerate(vector[:world_size].tolist()) if v > 0]
-    return JoinRound(len(present), max(present) if present else 0, vector[world_size].item() > 0)
+    flags = vector.tolist()
+    present = [r for r, v in enumerate(flags[:world_size]) if v > 0]
+    return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)
 
 
 def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinHook:
@@ -112,7 +118,8 @@ class ReplicateJoinHook(JoinHook):
         """Shadows one iteration of the ranks still training."""
         state = self.state
         verdict = join_round(state, training=False)
-        state.broadcast_buffers_from(verdict.source)
+        if verdict.buffers:
+            broadcast_buffers(state, verdict.source)
         if verdict.sync and state.reducer is not None:
             state.reducer.shadow_step()
 
@@ -128,7 +135,9 @@ class ReplicateJoinHook(JoinHook):
         )
         dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
         source, steps = (int(x) for x in mark.tolist())
-        tensors: list[Any] = [local(p).detach() for p in state.plan.candidates] + state.plan.buffer_values()
+        tensors: list[Any] = [local(p).detach() for p in state.plan.candidates]
+        if state.buffer_sync.before_forward:  # as DDP's _sync_final_model
+            tensors += state.plan.buffer_values()
         if tensors:
             broadcast_coalesced(tensors, group, src_rank=source)
         state.clock.catch_up(steps)

@@ -13,7 +13,8 @@ forward costs ~0.5 ms for 256 parameters, so each forward compares a stamp
 - a process-wide counter that torch's global module registration hooks bump
   whenever any module registers a parameter, buffer or submodule (registry.py);
 - a per-module counter that ``ReplicateModule._apply`` bumps (``.to()``,
-  ``.double()``, ``.half()``, ``.cuda()`` on the replicated root);
+  ``.double()``, ``.half()``, ``.cuda()`` on the replicated root), and so does
+  setting DDP's ``_ddp_params_and_buffers_to_ignore`` on it (ddp_surface.py);
 - the number of parameters claimed by optimizer-in-backward, and the number
   of composable-API states (``fully_shard``), process-wide;
 - the ``requires_grad`` flags of every candidate parameter (one list
@@ -30,14 +31,17 @@ re-plans nor broadcasts buffers, so one rank may evaluate alone.
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from typing import NamedTuple, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import in_backward_optimizers
+
+IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"  # DDP's: names of parameters and buffers left alone
 
 BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 
@@ -122,7 +126,12 @@ def _signature(param: nn.Parameter) -> tuple[object, ...]:
     )
 
 
-def make_plan(root: nn.Module, skipped: Sequence[nn.Module], inner: Sequence[nn.Module] = ()) -> Plan:
+def make_plan(
+    root: nn.Module,
+    skipped: Sequence[nn.Module],
+    inner: Sequence[nn.Module] = (),
+    skipped_names: Collection[str] = (),
+) -> Plan:
     """Walks ``root`` and returns what it replicates.
 
     Args:
@@ -130,21 +139,26 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module], inner: Sequence[nn.
         skipped: modules whose parameters and buffers (and their
             descendants') are left alone (ignored, managed by ``fully_shard``).
         inner: replicated modules inside ``root`` (nested ``replicate()``), outer ones first.
+        skipped_names: fully qualified names of parameters and buffers left
+            alone, as ``named_parameters()`` / ``named_buffers()`` spell them
+            (DDP's ``_ddp_params_and_buffers_to_ignore``, ddp_surface.py).
     """
     skipped_params = {id(p) for m in skipped for p in m.parameters()}
     skipped_buffers = {id(b) for m in skipped for b in m.buffers()}
     names, candidates = [], []
     for name, param in root.named_parameters():
-        if id(param) not in skipped_params:
+        if id(param) not in skipped_params and name not in skipped_names:
             names.append(name)
             candidates.append(param)
     buffers: list[BufferRef] = []
     buffer_ids: set[int] = set()
-    for module in root.modules():
+    for prefix, module in root.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is None or id(buffer) in skipped_buffers or id(buffer) in buffer_ids:
                 continue
-            buffer_ids.add(id(buffer))
+            buffer_ids.add(id(buffer))  # the first name wins, as in named_buffers()
+            if (f"{prefix}.{name}" if prefix else name) in skipped_names:
+                continue
             buffers.append((weakref.ref(module), name))
     group_of: dict[int, int] = {}
     for number, module in enumerate(inner, start=1):
@@ -164,6 +178,65 @@ def make_plan(root: nn.Module, skipped: Sequence[nn.Module], inner: Sequence[nn.
         sparse=frozenset(sparse),
         groups=tuple(group_of.get(id(p), 0) for p in candidates),
     )
+
+
+def ignored_names(module: nn.Module) -> frozenset[str]:
+    """The names in ``module._ddp_params_and_buffers_to_ignore`` (DDP's, set by torchrec and others).
+
+    DDP 2.13 neither averages nor broadcasts (at set-up or before a forward)
+    the parameters and buffers so named; nor does ``replicate()``. (DDP's
+    reducer still averages a listed parameter of the root module itself: it
+    spells the name ``.scale`` where the list says ``scale``; here it is left
+    alone, as listed.) Names that match no parameter or buffer draw a
+    warning: DDP passes over them without a word, averaging the tensor that
+    was meant to be left alone.
+
+    Raises:
+        TypeError: not a collection of ``str`` (a single ``str``, which DDP
+            would silently read as its characters, included).
+    """
+    names = getattr(module, IGNORE_ATTRIBUTE, None)
+    if names is None:
+        return frozenset()
+    checked = check_ignored_names(names)
+    known = {name for name, _ in module.named_parameters()} | {name for name, _ in module.named_buffers()}
+    unknown = sorted(checked - known)
+    if unknown:
+        warnings.warn(
+            f"replicate(): {IGNORE_ATTRIBUTE} names {unknown[:3]}{' and more' if len(unknown) > 3 else ''}, "
+            "which match no parameter or buffer of the replicated module by the name named_parameters() / "
+            "named_buffers() give it (a tied tensor goes by its first name); they are not left alone",
+            UserWarning,
+            stacklevel=2,
+        )
+    return checked
+
+
+def check_ignored_names(names: object) -> frozenset[str]:
+    """``names`` as DDP's ``_ddp_params_and_buffers_to_ignore`` takes it: a collection of ``str``.
+
+    Raises:
+        TypeError: a single ``str`` or anything but a collection of ``str``.
+    """
+    fix = "e.g. model._ddp_params_and_buffers_to_ignore = ['embedding.weight'] (fully qualified names)"
+    if isinstance(names, (str, bytes)):
+        raise TypeError(
+            f"replicate(): {IGNORE_ATTRIBUTE} must be a collection of names, got the single string {names!r} "
+            f"(DDP would read it as its characters and leave nothing alone); write a list, {fix}"
+        )
+    try:
+        items = list(names)  # type: ignore[call-overload]  # checked: anything iterable
+    except TypeError:
+        raise TypeError(
+            f"replicate(): {IGNORE_ATTRIBUTE} must be a collection of names, got {names!r}; {fix}"
+        ) from None
+    wrong = [item for item in items if not isinstance(item, str)]
+    if wrong:
+        raise TypeError(
+            f"replicate(): {IGNORE_ATTRIBUTE} must hold fully qualified names (str), got {wrong[0]!r} "
+            f"({type(wrong[0]).__name__}); {fix}"
+        )
+    return frozenset(items)
 
 
 def describe_change(old: Plan, new: Plan, most: int = 3) -> str:

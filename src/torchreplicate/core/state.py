@@ -19,9 +19,10 @@ from torch import nn
 
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import forward_hooks, join, lazy, nested
+from torchreplicate.core.buffers import BufferSync
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
-from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, make_plan, new_tensors
+from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
 from torchreplicate.core.registry import registration_count
 from torchreplicate.core.tied import TiedUses, to_split
 from torchreplicate.reducer.collectives import (
@@ -80,7 +81,7 @@ class ReplicateState:
         self.plan: Plan = EMPTY_PLAN
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
         self.lazy = lazy.LazyModules()  # lazy modules left out of the plan until they materialise
-        self._num_conversions = 0  # ReplicateModule._apply calls (.to(), .double(), ...)
+        self._num_noted_changes = 0  # note_change() calls: .to(), .double(), a new ignore list, ...
         # - Reduction. How gradients are reduced (from the options, or a
         #   registered comm hook) and whether they are: kept here, so every
         #   reducer built for the module (also after a re-plan) shares them.
@@ -89,6 +90,7 @@ class ReplicateState:
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
         self.tied = TiedUses()  # tied parameters' first use detached ([Note: tied parameters]), per plan
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
+        self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
@@ -216,10 +218,6 @@ class ReplicateState:
         copied.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
         return copied
 
-    def broadcast_buffers_from(self, source: int) -> None:
-        """Gives every rank the buffers of group rank ``source`` (when ``broadcast_buffers``)."""
-        forward_hooks.broadcast_buffers_from(self, source)
-
     @property
     def nested(self) -> bool:
         """Whether an enclosing replicated module reduces this module's parameters (``Mode.NESTED``)."""
@@ -268,9 +266,9 @@ class ReplicateState:
         """Every rank joined: back to no join rounds and the usual divisor."""
         join.end_join(self)
 
-    def note_conversion(self) -> None:
-        """Called after ``module._apply`` (``.to()``, ``.double()``, ...): re-check at the next forward."""
-        self._num_conversions += 1
+    def note_change(self) -> None:
+        """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
+        self._num_noted_changes += 1
 
     # -- set-up and re-planning ----------------------------------------------
 
@@ -292,14 +290,14 @@ class ReplicateState:
         # rank 0's random token, broadcast with everything: the watchdog's
         # keys are fresh in every run (torchrun's store outlives restarts)
         token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        buffers = plan.buffer_values() if self.config.broadcast_buffers else []  # as DDP's _sync_module_states
+        buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
         self._install_plan(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
         return (
             registration_count(),
-            self._num_conversions,
+            self._num_noted_changes,
             num_in_backward_optimizer_params(),
             num_composable_states(),
         )
@@ -310,7 +308,7 @@ class ReplicateState:
         nested.refuse_inside_fully_shard(module)
         skipped = list(self.config.ignored_modules) + self.lazy.modules()
         skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped, nested.nest_inner(self))
+        return make_plan(module, skipped, nested.nest_inner(self), ignored_names(module))
 
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
@@ -329,7 +327,7 @@ class ReplicateState:
         self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
         watch = self.probe.watch
         try:
-            self._install_plan(plan, new_tensors(self.plan, plan, self.config.broadcast_buffers))
+            self._install_plan(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):
                 raise

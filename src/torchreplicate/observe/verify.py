@@ -157,9 +157,11 @@ def verify_replicas(
         model: a module ``replicate()`` was applied to.
         grads: also compare gradients. Default False.
         buffers: compare the replicated buffers. Default None: when they are
-            broadcast (``replicate(broadcast_buffers=True)``, the default).
-            A forward that updates buffers (BatchNorm) leaves them differing
-            until the next forward's broadcast, by design.
+            broadcast before forwards (``replicate(broadcast_buffers=True)``,
+            the default). A forward that updates buffers (BatchNorm) leaves
+            them differing until the next broadcast, by design: the next
+            forward's, or under ``no_sync`` the first forward after a synced
+            one ([Note: buffer sync] in core/buffers.py).
         raise_on_mismatch: raise ``ReplicaMismatchError`` on a mismatch
             (default True) or return the report.
 
@@ -176,7 +178,7 @@ def verify_replicas(
     except ValueError as error:
         raise ValueError(f"verify_replicas(): {error}") from None
     if buffers is None:
-        buffers = state.config.broadcast_buffers
+        buffers = state.buffer_sync.before_forward
     entries = _entries(model, state.plan, grads=grads, buffers=buffers)
     num_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in entries if e.tensor is not None)
     group = state.group

@@ -1,0 +1,93 @@
+"""Buffers of a replicated module: when every rank takes one rank's values, and how.
+
+[Note: buffer sync]
+The rules are DDP 2.13's, so that BatchNorm statistics and every other
+buffer hold on each rank what they would hold under DDP on the same job:
+
+- At set-up, buffers are broadcast from rank 0 with the parameters, unless
+  ``broadcast_buffers=False`` was given without ``forward_sync_buffers``
+  (DDP's deprecated spelling also skips the set-up broadcast;
+  ``forward_sync_buffers=False`` keeps it): ``BufferSync.at_set_up``.
+- Before a forward with gradients enabled, buffers are broadcast from rank 0
+  (from the highest rank still training, inside a ``Join``) when
+  ``before_forward`` (DDP's ``forward_sync_buffers``; ``model.broadcast_buffers
+  = False`` turns it off at run time, as on DDP) and ``due`` (DDP's
+  ``require_forward_param_sync``): the previous forward with gradients ran
+  with gradient sync on. Under ``no_sync()`` accumulation only the first
+  micro-batch's forward broadcasts, as under DDP; the others keep each
+  rank's own statistics.
+- A forward with gradients disabled runs no collective (one rank may
+  evaluate alone) and leaves ``due`` as it was. DDP broadcasts there too
+  when ``due``, and clears it: where ranks' buffers differ, an evaluation
+  forward under ``torch.no_grad()`` on rank >= 1 sees its own statistics
+  where DDP's sees rank 0's (docs/migration.md).
+- The broadcast writes into the buffers in place, so a reference a user
+  holds (``rm = bn.running_mean``, an EMA of buffers, an optimizer over
+  them) sees the new values. An in-place write bumps a tensor's version
+  counter, and a graph still pending from an earlier forward may have saved
+  the buffer: BatchNorm saves its running statistics for backward, so two
+  forwards before one backward would fail in that backward. As DDP's
+  ``_sync_buffers`` does, the broadcast keeps each buffer's version counter
+  (``torch_internals.preserved_versions``). That is safe where the pending
+  backward does not read the values, or the broadcast does not change them:
+  BatchNorm's backward in training reads the batch's statistics, not the
+  running ones (checked on 2.13), and in evaluation the running ones do not
+  change, so a broadcast after the first writes the same values. Otherwise (a
+  buffer a pending backward reads, which the broadcast changes on this rank)
+  that backward reads the broadcast values, exactly as under DDP.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchreplicate.config import ReplicateConfig
+from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
+from torchreplicate.torch_internals import preserved_versions
+
+if TYPE_CHECKING:
+    from torchreplicate.core.state import ReplicateState
+
+
+class BufferSync:
+    """When a replicated module's buffers are broadcast ([Note: buffer sync]); ``state.buffer_sync``.
+
+    Args:
+        config: the module's options.
+    """
+
+    def __init__(self, config: ReplicateConfig) -> None:
+        # broadcast at set-up and to buffers new to a re-plan; fixed at replicate()
+        self.at_set_up = config.init_sync_buffers
+        # before forwards (DDP's forward_sync_buffers); the model's broadcast_buffers attribute sets it
+        self.before_forward = config.broadcast_buffers
+        # DDP's require_forward_param_sync: the last forward with gradients ran with gradient sync on
+        self.due = True
+
+    @property
+    def wanted(self) -> bool:
+        """Whether the next forward with gradients broadcasts (when there are buffers and other ranks)."""
+        return self.before_forward and self.due
+
+    def note_forward(self, gradient_sync: bool) -> None:
+        """After a forward with gradients: the next one broadcasts only if this one's backward syncs."""
+        self.due = gradient_sync
+
+
+def broadcast_buffers(state: ReplicateState, source: int) -> None:
+    """Gives every rank the replicated buffers of group rank ``source``, in place ([Note: buffer sync]).
+
+    Every rank calls it at the same point (the forward pre-hook, or a joined
+    rank's join hook); it does nothing without buffers or other ranks.
+    """
+    values = state.plan.buffer_values()
+    if not values or state.world_size == 1:
+        return
+    watch = state.watch
+    try:
+        with preserved_versions(values):
+            broadcast_coalesced(values, state.group, src_rank=source, waiter=state.probe.waiter)
+    except RuntimeError as error:
+        if watch is None or not is_transport_error(error):
+            raise
+        raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error

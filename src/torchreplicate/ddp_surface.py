@@ -1,0 +1,336 @@
+"""DDP's attributes and methods on a replicated module: each behaves as DDP's, or says what to use.
+
+Code written for ``DistributedDataParallel`` (nanoGPT, Lightning, accelerate,
+torchrec) reads and sets attributes of the wrapper and calls its methods.
+``ReplicateModule`` derives from ``DDPSurface``, so a replicated module
+answers each of them as DDP 2.13 does on the same job, or raises naming the
+replacement; none is ignored in silence. The table is in docs/migration.md
+("DDP's attributes and methods").
+
+[Note: the model's own names win]
+DDP's names are common words (``dim``, ``device_type``, ``gather``), and a
+model may have an attribute, parameter, buffer, submodule or method of its
+own under one of them: the model's wins, as for ``module``. A class-level
+definition is kept by api.py's replicated class (``OWN_NAMES_WIN``); an
+instance attribute or registered tensor or module is looked up first by
+``_DDPAttribute``, and the methods below are plain methods, which an
+instance attribute shadows anyway.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import JoinHook
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
+
+from torchreplicate.core.plan import IGNORE_ATTRIBUTE, check_ignored_names
+from torchreplicate.core.registry import get_state
+from torchreplicate.ddp_args import warn_no_effect
+
+if TYPE_CHECKING:
+    from torchreplicate.core.state import ReplicateState
+
+MiB = 1024 * 1024
+DEFAULT_CAP_BYTES = 25 * MiB  # DDP's default, and the tuner's until it measured (reducer/tuning.py)
+
+_STORES = ("_parameters", "_buffers", "_modules")
+_ABSENT = object()
+
+
+def _own(module: object, name: str) -> Any:
+    # The model's own value under `name` (an attribute, parameter, buffer or submodule), or _ABSENT.
+    attributes = vars(module)
+    if name in attributes:
+        return attributes[name]
+    for store in _STORES:
+        values = attributes.get(store)
+        if values is not None and name in values:
+            return values[name]
+    return _ABSENT
+
+
+class _TheModel:
+    # `model.module`: the model itself, unless it has a parameter, buffer or
+    # submodule of that name. Not a data descriptor, so an instance attribute
+    # `module` wins too (and setting one is a plain assignment); state_dict keys are untouched.
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        own = _own(obj, "module")
+        return obj if own is _ABSENT else own
+
+
+class _DDPAttribute:
+    # One of DDP's attributes ([Note: the model's own names win]). `read` answers
+    # from the state; `write` (None: read-only) applies a new value; `instead`
+    # says what to do when a read-only one is set.
+    def __init__(
+        self,
+        read: Callable[[ReplicateState], Any],
+        write: Optional[Callable[[ReplicateState, Any], None]] = None,
+        instead: str = "",
+    ) -> None:
+        self.read, self.write, self.instead = read, write, instead
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        own = _own(obj, self.name)
+        return self.read(get_state(obj)) if own is _ABSENT else own
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if self.name in vars(obj):
+            vars(obj)[self.name] = value  # the model's own attribute
+        elif self.write is not None:
+            self.write(get_state(obj), value)
+        else:
+            raise AttributeError(
+                f"replicate(): {self.name} is DDP's attribute, read-only on a replicated module: {self.instead}"
+            )
+
+
+def _switch(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"replicate(): {name} must be True or False, got {value!r}")
+    return value
+
+
+def _set_before_forward(state: ReplicateState, value: Any) -> None:
+    state.buffer_sync.before_forward = _switch("broadcast_buffers (forward_sync_buffers)", value)
+
+
+def _set_due(state: ReplicateState, value: Any) -> None:
+    state.buffer_sync.due = _switch("require_forward_param_sync", value)
+
+
+def _device_index(state: ReplicateState) -> Optional[int]:
+    # DDP keeps device_ids / output_device for a module on one accelerator it was given; None on the CPU.
+    device = state.config.device_id
+    if device is None or device.type == "cpu":
+        return None
+    return device.index if device.index is not None else torch.accelerator.current_device_index()
+
+
+def _bucket_bytes_cap(state: ReplicateState) -> int:
+    if state.reducer is not None:
+        return int(state.reducer.layout_policy.cap_bytes)  # the tuned cap once measured
+    cap_mb = state.config.bucket_cap_mb
+    return DEFAULT_CAP_BYTES if cap_mb is None else int(cap_mb * MiB)
+
+
+def _device_type(state: ReplicateState) -> str:
+    for param in state.plan.candidates:
+        return param.device.type
+    return state.collective_device().type
+
+
+def ignored_by_name(module: nn.Module, ignored_modules: tuple[nn.Module, ...]) -> frozenset[str]:
+    """Names of the parameters and buffers ``module`` leaves alone: DDP's list and ``ignored_modules``."""
+    names = set(check_ignored_names(getattr(module, IGNORE_ATTRIBUTE, ())))
+    skipped = {id(t) for m in ignored_modules for t in (*m.parameters(), *m.buffers())}
+    names |= {n for n, t in (*module.named_parameters(), *module.named_buffers()) if id(t) in skipped}
+    return frozenset(names)
+
+
+_FIXED = "pass it to replicate() instead ({}); it is fixed there"
+
+
+class DDPSurface:
+    """DDP's attributes and methods, as a replicated module offers them (see the module docstring).
+
+    Attributes:
+        module: the model itself (``replicate()`` does not wrap); DDP code
+            that unwraps ``model.module`` keeps working.
+        process_group: the group gradients are averaged over.
+        device_ids: ``[index]`` for a module replicate() moved to an
+            accelerator (``device_ids=`` / ``device_id=``), else None, as DDP.
+        output_device: that index, or None.
+        dim: DDP's scatter dimension, as given (no effect, as in DDP today).
+        broadcast_buffers / forward_sync_buffers: buffers broadcast before
+            forwards; settable at run time, as on DDP.
+        find_unused_parameters / static_graph: as given; unused parameters
+            and changing graphs are always handled, so neither changes anything.
+        require_backward_grad_sync: gradient sync on (True) or off (no_sync).
+        require_forward_param_sync: whether the next forward broadcasts
+            buffers (the last one ran with gradient sync on), as DDP's.
+        gradient_as_bucket_view: as given (default True here, False in DDP).
+        bucket_bytes_cap: the bucket cap in bytes now in use (tuned, or as given).
+        device_type: the parameters' device type (``"cpu"``, ``"cuda"``).
+        parameters_to_ignore: names of the parameters and buffers left alone.
+    """
+
+    module = _TheModel()
+    process_group = _DDPAttribute(lambda s: s.group, instead=_FIXED.format("process_group= or mesh="))
+    device_ids = _DDPAttribute(
+        lambda s: None if _device_index(s) is None else [_device_index(s)], instead=_FIXED.format("device_id=")
+    )
+    output_device = _DDPAttribute(_device_index, instead="outputs come back on the module's device, as in DDP")
+    dim = _DDPAttribute(lambda s: s.config.dim, instead="DDP scatters nothing along it; inputs are per rank")
+    broadcast_buffers = _DDPAttribute(lambda s: s.buffer_sync.before_forward, _set_before_forward)
+    forward_sync_buffers = _DDPAttribute(lambda s: s.buffer_sync.before_forward, _set_before_forward)
+    find_unused_parameters = _DDPAttribute(
+        lambda s: s.config.find_unused_parameters, instead="unused parameters are always handled; nothing to set"
+    )
+    static_graph = _DDPAttribute(
+        lambda s: s.config.static_graph, instead="call model._set_static_graph(), as on DDP (it changes nothing here)"
+    )
+    require_forward_param_sync = _DDPAttribute(lambda s: s.buffer_sync.due, _set_due)
+    gradient_as_bucket_view = _DDPAttribute(
+        lambda s: s.config.gradient_as_bucket_view, instead=_FIXED.format("gradient_as_bucket_view=")
+    )
+    bucket_bytes_cap = _DDPAttribute(_bucket_bytes_cap, instead=_FIXED.format("bucket_cap_mb=, in MiB"))
+    device_type = _DDPAttribute(_device_type, instead="move the model with model.to(device)")
+    parameters_to_ignore = _DDPAttribute(
+        lambda s: ignored_by_name(s.module, s.config.ignored_modules),
+        instead="set model._ddp_params_and_buffers_to_ignore = names (re-planned at the next forward)",
+    )
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's public switch, the same state as ``set_requires_gradient_sync``.
+
+        ``model.require_backward_grad_sync = False`` makes the next backwards
+        accumulate locally, as under DDP (and as ``no_sync()``, which sets it).
+        """
+        return get_state(self).requires_gradient_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        get_state(self).set_requires_gradient_sync(value)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> Any:
+        """DDP's names of parameters and buffers left alone: neither averaged nor broadcast.
+
+        Set before ``replicate()`` (``DistributedDataParallel.
+        _set_params_and_buffers_to_ignore_for_model(model, names)``, as
+        torchrec does) or after it: then the next forward with gradients
+        re-plans without them ([Note: re-planning] in core/plan.py), so set it
+        on every rank. Unset, reading it raises ``AttributeError``, as on a
+        plain module. The names stay in the module's ``__dict__``, where DDP's
+        helper puts them, so copies and pickles keep them.
+        """
+        try:
+            return vars(self)[IGNORE_ATTRIBUTE]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {IGNORE_ATTRIBUTE!r}") from None
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names: Any) -> None:
+        check_ignored_names(names)
+        vars(self)[IGNORE_ATTRIBUTE] = names
+        get_state(self).note_change()
+
+    @_ddp_params_and_buffers_to_ignore.deleter
+    def _ddp_params_and_buffers_to_ignore(self) -> None:
+        vars(self).pop(IGNORE_ATTRIBUTE, None)
+        get_state(self).note_change()
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward with gradients broadcasts buffers, as DDP's ([Note: buffer sync])."""
+        state = get_state(self)
+        return state.buffer_sync.wanted and bool(state.plan.buffers)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's ``Joinable`` protocol: the hook a joined rank runs (see ``join``)."""
+        return get_state(self).join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's ``Joinable`` protocol: where the join collectives run."""
+        return get_state(self).collective_device()
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """torch's ``Joinable`` protocol: the group averaged over."""
+        return get_state(self).group
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        """DDP's: ``torch.nn.parallel.scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        """DDP's: ``torch.nn.parallel.gather(outputs, output_device, dim=self.dim)``."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    def _set_static_graph(self) -> None:
+        """DDP's: declares the graph static. Accepted, and changes nothing: the reducer learns the graph.
+
+        Raises:
+            RuntimeError: after training started (unless already set), as DDP (DDP's message first).
+        """
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", UserWarning, stacklevel=2)
+            return
+        num_forwards = get_state(self).num_forwards
+        if num_forwards:
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                f"DistributedDataParallel is constructed. replicate(): {num_forwards} forward(s) already ran; "
+                "the call changes nothing here (the reducer learns the graph), so drop it"
+            )
+        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps")
+        vars(self)["static_graph"] = True  # read back as DDP's attribute from now on
+
+    def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
+        """DDP's optimizer fused into the comm hook: refused, naming torch's optimizer in backward.
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError(
+            f"replicate(): _register_fused_optim({optim.__name__}, ...) is DDP's private fusion and is not supported; "
+            "use torch.distributed.optim._apply_optimizer_in_backward(optimizer_class, params, "
+            "optimizer_kwargs={...}), "
+            "which replicate() steps on the averaged gradients at the end of backward (grads are None after, as torch "
+            "leaves them), or a plain optimizer.step() after backward"
+        )
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """DDP's logging data: the keys set at construction, with DDP's names and value types.
+
+        DDP's run-time timings (``avg_forward_compute_time``, ...) are not
+        kept: ``torchreplicate.trace`` and ``log_summary`` time every step.
+        """
+        state = get_state(self)
+        params = state.params
+        index = _device_index(state)
+        return {
+            "world_size": state.world_size,
+            "rank": dist.get_rank(state.group),
+            "module_name": type(self).original_class.__name__,  # type: ignore[attr-defined]
+            "backend_name": dist.get_backend(state.group),
+            "device_ids": "" if index is None else str(index),
+            "output_device": -1 if index is None else index,
+            "broadcast_buffers": int(state.buffer_sync.before_forward),
+            "bucket_cap_bytes": _bucket_bytes_cap(state),
+            "find_unused_parameters": int(state.config.find_unused_parameters),
+            "gradient_as_bucket_view": int(state.config.gradient_as_bucket_view),
+            "num_parameter_tensors": len(params),
+            "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),
+            "is_multi_device_module": int(len({p.device for p in params}) > 1),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(torch.empty((), dtype=dtype).type()).rsplit(".", 1)[-1].removesuffix("Tensor").lower()
+
+
+# Names whose definition in the model's own class wins over DDPSurface's ([Note: the model's own names win]).
+OWN_NAMES_WIN = (
+    *("module", "process_group", "device_ids", "output_device", "dim", "broadcast_buffers"),
+    *("forward_sync_buffers", "find_unused_parameters", "static_graph", "require_forward_param_sync"),
+    *("gradient_as_bucket_view", "bucket_bytes_cap", "device_type", "parameters_to_ignore"),
+    *("will_sync_module_buffers", "scatter", "gather", "_set_static_graph", "_register_fused_optim"),
+    "_get_ddp_logging_data",
+)
