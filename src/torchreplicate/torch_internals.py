@@ -12,7 +12,9 @@ overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
 
 from __future__ import annotations
 
+import atexit
 import sys
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -94,9 +96,61 @@ def parameters_of(module: nn.Module) -> dict[str, Any]:
 # with "terminate called without an active exception"). replicate() runs after
 # init_process_group(), so it never imports that package: the in-backward
 # optimizer map is read only where the user's code imported it (it must have,
-# to apply one). tests/test_exit.py checks that a replicated model's group is
-# freed by destroy_process_group().
+# to apply one). Other torch modules do the same (torch.distributed.nn's
+# collectives, fsdp's ShardedGradScaler: both imported with
+# torch.distributed.fsdp, which this package imports), so a script that
+# imports torchreplicate, or any of them, after init_process_group() holds the
+# group the same way: ``release_destroyed_groups`` runs at interpreter exit
+# (registered at import, so before the teardown) and drops such defaults where
+# the group was destroyed, which frees it while the interpreter is whole.
+# tests/test_exit.py checks both routes.
 _IN_BACKWARD_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
+
+
+def release_destroyed_groups() -> int:
+    """Drops process groups that ``destroy_process_group()`` ended from torch's function defaults.
+
+    See [Note: no imports after init_process_group]. Scans the functions and
+    methods of the loaded ``torch.distributed`` modules; a default that is a
+    ``ProcessGroup`` no longer in ``distributed_c10d._world.pg_map`` (private:
+    torch >= 2.0, checked on 2.13) becomes None, torch's own "the default
+    group". Returns how many functions it changed. Runs at exit; a live group
+    (never destroyed) is left alone.
+    """
+    if not dist.is_available():
+        return 0
+    from torch.distributed import distributed_c10d
+
+    live = distributed_c10d._world.pg_map
+    changed = 0
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not name.startswith("torch.distributed") or not isinstance(namespace, dict):
+            continue
+        for value in list(namespace.values()):
+            # type(), not isinstance(): some module values warn when their __class__ is read
+            is_class = issubclass(type(value), type) and vars(value).get("__module__") == name
+            for function in list(vars(value).values()) if is_class else [value]:
+                if type(function) is types.FunctionType and _release_defaults(function, live):
+                    changed += 1
+    return changed
+
+
+def _release_defaults(function: types.FunctionType, live: Any) -> bool:
+    def ended(value: object) -> bool:
+        return isinstance(value, dist.ProcessGroup) and value not in live
+
+    defaults, keywords = function.__defaults__ or (), function.__kwdefaults__ or {}
+    if not any(map(ended, (*defaults, *keywords.values()))):
+        return False
+    if defaults:
+        function.__defaults__ = tuple(None if ended(v) else v for v in defaults)
+    if keywords:
+        function.__kwdefaults__ = {k: None if ended(v) else v for k, v in keywords.items()}
+    return True
+
+
+atexit.register(release_destroyed_groups)
 
 
 def num_in_backward_optimizer_params() -> int:
