@@ -73,7 +73,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
         vector[world_size + 1] = float(state.buffer_sync.wanted)
-    all_reduce(vector, group, state.probe.waiter)
+    all_reduce(vector, group, state.probe.watch)
     flags = vector.tolist()
     present = [r for r, v in enumerate(flags[:world_size]) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, join, lazy, nested
+from torchreplicate.core import forward_hooks, lazy, nested
 from torchreplicate.core.buffers import BufferSync
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
@@ -49,9 +49,10 @@ class Mode(enum.Enum):
     """Who reduces a replicated module's parameters (``ReplicateState.mode``).
 
     Set where it changes, read by the forward hooks. Two other conditions
-    are torch's to decide and are read from torch, each in one place: an
-    enabled ``Join`` (``ReplicateState.joining``) and compiled autograd
-    (the forward pre-hook; the gradient hook sees it being traced).
+    are torch's to decide and are read from torch: an enabled ``Join``
+    (``ReplicateState.joining``) and compiled autograd (the forward
+    pre-hook, the tied holders, and the gradient and output hooks, which
+    see it tracing them).
     """
 
     OWN = "own"  # the module itself: its reducer (none at world size 1 without a comm hook)
@@ -181,11 +182,6 @@ class ReplicateState:
             self.reduction = reduction
 
     @property
-    def watch(self) -> Optional[StallWatch]:
-        """The stall watchdog (watchdog.py), or None (world size 1, ``stall_timeout=None``, nested)."""
-        return self.probe.watch
-
-    @property
     def events(self) -> Optional[StepEvents]:
         """The observer of every step's timeline (``set_events``), or None."""
         return self.probe.events
@@ -253,18 +249,10 @@ class ReplicateState:
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
-    def join_hook(self, **kwargs: Any) -> join.ReplicateJoinHook:
-        """The hook torch's ``Join`` runs on a rank that ran out of inputs; starts the join rounds."""
-        return join.start_join(self, kwargs)
-
     @property
     def joining(self) -> bool:
         """Whether the module is inside an enabled ``Join`` context (torch sets its join config)."""
         return join_enabled(self.module)
-
-    def end_join(self) -> None:
-        """Every rank joined: back to no join rounds and the usual divisor."""
-        join.end_join(self)
 
     def note_change(self) -> None:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
@@ -354,10 +342,10 @@ class ReplicateState:
             self.group,
             self.collective_device(),
             self.config.wire_options,
-            self.probe.waiter,
+            self.probe.watch,
         )
         if self.world_size > 1 and to_broadcast:
-            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.waiter)
+            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.watch)
         stall_timeout_s = self.config.stall_timeout_s
         if token is not None and self.world_size > 1 and stall_timeout_s is not None:
             watch = self.probe.watch = StallWatch(

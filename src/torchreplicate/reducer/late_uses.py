@@ -20,7 +20,7 @@ rows, which is what the bucket would have sent.
 
 Kept only where it pays: with a tuned cap, at the end of the first step the
 schedule prices the step with and without the split ([Note: buckets from the
-schedule], ``tuning.split_pays``); where the link is not the step (loopback:
+schedule], ``schedule.split_pays``); where the link is not the step (loopback:
 measured 7% slower against DDP with ``gradient_as_bucket_view``, from the
 rows round's CPU work) or the rows would be bytes sent twice on a saturated
 link (100 Mbit), the parameter goes back to one ``.grad``, whole, in the last

@@ -171,7 +171,7 @@ class Reducer:
     def view(self) -> ReducerView:
         """What observers read (trace(), log_summary()): the same object until the buckets change."""
         if self._view is None:
-            self._view = ReducerView.of(self.buckets, self.probe.waiter)
+            self._view = ReducerView.of(self.buckets, self.probe.watch)
         return self._view
 
     def where(self, bucket: Bucket) -> str:
@@ -207,7 +207,7 @@ class Reducer:
         self.flags = self._bind(reduction, self.flags.clock, weak_group)
 
     def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.waiter)
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.watch)
         return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
 
     def remove_hooks(self) -> None:
@@ -359,10 +359,10 @@ class Reducer:
         sums = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
         if sums[len(self.slots)].item() > 0:  # a late round somewhere
             for bucket in self.buckets:
-                all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.waiter)
-        self.sparse.shadow(self.group, self.probe.waiter)
+                all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.watch)
+        self.sparse.shadow(self.group, self.probe.watch)
         if self.late_uses.slots:
-            self.late_uses.shadow(self.group, self.probe.waiter)
+            self.late_uses.shadow(self.group, self.probe.watch)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self.step = StepState(len(self.slots), self.buckets)

@@ -9,8 +9,10 @@ parameter and per bucket; the reducer replaces it at the end of each step
 hooks did not (the last with the flags), waits for all, reads the summed
 flags, points ``.grad`` at the averages, runs the late round if any rank had
 a late gradient, reduces sparse gradients and adds the tied parameters'
-detached uses ([Note: tied parameters] in late_uses.py). It reads the reducer and
-changes only the step and ``.grad``; the reducer then learns what the step
+detached uses ([Note: tied parameters] in late_uses.py). Besides the step and
+``.grad`` it drives the reducer's own parts: ``Reducer.launch``, the flags
+(written, then summed in place), the late uses' round (which resets what it
+kept and records its size and time); the reducer then learns what the step
 taught (firing counts, launch order, bucket cap) and steps torch's
 optimizer-in-backward on the average (``step_in_backward_optimizers``).
 
@@ -113,7 +115,7 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     """Completes the reduction of one synchronised backward (gradients off: the caller's ``no_grad``).
 
     Args:
-        reducer: the module's reducer (read, never changed here).
+        reducer: the module's reducer; its launches, flags and tied rows' round run here.
         step: the step's state.
 
     Returns:
@@ -123,7 +125,7 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     sums = _reduce_rest(reducer, step)
     late_grads = reducer.layout.restore(reducer.buckets, step, sums, num_early)
     probe = reducer.probe
-    waiter = probe.waiter
+    waiter = probe.watch
     if sums.any_late:
         with probe.span("late_round"):
             probe.late_round(True, reducer.num_steps)
