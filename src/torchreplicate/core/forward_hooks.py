@@ -21,6 +21,7 @@ from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
+from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled
 
 if TYPE_CHECKING:
@@ -67,8 +68,10 @@ class ForwardHooks:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Runs after every forward of the root; returns the (cast) output."""
         state = self.state
-        state.tied.end()
-        if state.nested:
+        lifecycle = state.lifecycle
+        if lifecycle.now is TrainingState.FORWARD:
+            lifecycle.now = TrainingState.IDLE
+        elif lifecycle.now is TrainingState.NESTED:
             return output  # nested replicate: the enclosing module does this work
         if torch.is_grad_enabled():
             state.buffer_sync.note_forward(state.sync.on)
@@ -104,7 +107,10 @@ def sync_before_forward(state: ReplicateState) -> None:
         state.replan_if_changed()
     if buffers:
         broadcast_buffers(state, buffer_source)
-    state.tied.begin(state.reducer, state.sync.on)
+    now = state.lifecycle.now
+    if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
+        state.lifecycle.now = TrainingState.FORWARD
+        state.tied.begin(state.reducer, state.sync.on)
 
 
 def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
@@ -86,9 +87,8 @@ def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinH
     unknown = set(options) - {"divide_by_initial_world_size"}
     if unknown:
         raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")
-    divide_by_initial = options.get("divide_by_initial_world_size", True)
-    state.join_divides_by_training = not divide_by_initial
-    return ReplicateJoinHook(state, divide_by_initial)
+    hook = state.join_hook = ReplicateJoinHook(state, options.get("divide_by_initial_world_size", True))
+    return hook
 
 
 def training_join_round(state: ReplicateState) -> JoinRound:
@@ -96,7 +96,8 @@ def training_join_round(state: ReplicateState) -> JoinRound:
     joinable: Any = state.module
     Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
     verdict = join_round(state, training=True)
-    if state.reducer is not None and state.join_divides_by_training:
+    hook = state.join_hook
+    if state.reducer is not None and hook is not None and not hook.divide_by_initial_world_size:
         state.reducer.reduction.set_divide_factor(float(verdict.num_training))
     return verdict
 
@@ -117,11 +118,16 @@ class ReplicateJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Shadows one iteration of the ranks still training."""
         state = self.state
-        verdict = join_round(state, training=False)
-        if verdict.buffers:
-            broadcast_buffers(state, verdict.source)
-        if verdict.sync and state.reducer is not None:
-            state.reducer.shadow_step()
+        lifecycle = state.lifecycle
+        before, lifecycle.now = lifecycle.now, TrainingState.SHADOWING
+        try:
+            verdict = join_round(state, training=False)
+            if verdict.buffers:
+                broadcast_buffers(state, verdict.source)
+            if verdict.sync and state.reducer is not None:
+                state.reducer.shadow_step()
+        finally:
+            lifecycle.now = before
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and training clock of the last rank to join."""
@@ -146,7 +152,7 @@ class ReplicateJoinHook(JoinHook):
 
 def end_join(state: ReplicateState) -> None:
     """Every rank joined: back to no join rounds and the usual divisor."""
-    state.join_divides_by_training = False
+    state.join_hook = None
     disable_join(state.module)
     if state.reducer is not None:
         state.reducer.reduction.set_divide_factor(None)

@@ -9,7 +9,6 @@ reduction in reducer.py.
 
 from __future__ import annotations
 
-import enum
 import weakref
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ from torch import nn
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import forward_hooks, lazy, nested
 from torchreplicate.core.buffers import BufferSync
+from torchreplicate.core.join import ReplicateJoinHook
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
@@ -38,25 +38,11 @@ from torchreplicate.reducer.grad_layout import grad_layout
 from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.reducer.switches import Learned, SyncSwitch
+from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
 
 MiB = 1024 * 1024
-
-
-class Mode(enum.Enum):
-    """Who reduces a replicated module's parameters (``ReplicateState.mode``).
-
-    Set where it changes, read by the forward hooks. Two other conditions
-    are torch's to decide and are read from torch: an enabled ``Join``
-    (``ReplicateState.joining``) and compiled autograd (the forward
-    pre-hook, the tied holders, and the gradient and output hooks, which
-    see it tracing them).
-    """
-
-    OWN = "own"  # the module itself: its reducer (none at world size 1 without a comm hook)
-    NESTED = "nested"  # an enclosing replicated module, in its collective sequence ([Note: nested replicate])
 
 
 class ReplicateState:
@@ -78,6 +64,12 @@ class ReplicateState:
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
+        # - Lifecycle: the module's one TrainingState, shared with every reducer
+        #   it builds (they move it through a synchronised backward); the
+        #   forward hooks, the tied holders and Join read it. Two conditions are
+        #   torch's to decide and are read from torch: an enabled Join
+        #   (`joining`) and compiled autograd ([Note: compiled autograd]).
+        self.lifecycle = Lifecycle()
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
@@ -89,7 +81,7 @@ class ReplicateState:
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
-        self.tied = TiedUses()  # tied parameters' first use detached ([Note: tied parameters]), per plan
+        self.tied = TiedUses(self.lifecycle)  # tied parameters' first use detached ([Note: tied parameters]), per plan
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
@@ -97,13 +89,10 @@ class ReplicateState:
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
         self.probe = Probe()
         self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
-        # what the forward hooks do (Mode); NESTED once an enclosing replicated
-        # module reduces this one's parameters in its own collective sequence
-        self.mode = Mode.OWN
-        self._outer: Optional[weakref.ref[ReplicateState]] = None  # that enclosing module's state
-        # inside torch's Join with divide_by_initial_world_size=False: the sum is
-        # divided by the ranks still training ([Note: join] in join.py)
-        self.join_divides_by_training = False
+        self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
+        # the hook torch's Join took from model.join_hook() (it holds the
+        # divisor rule), until every rank joined; None outside a Join ([Note: join])
+        self.join_hook: Optional[ReplicateJoinHook] = None
         self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
         # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
         self._handles = forward_hooks.ForwardHooks(self).install(module)
@@ -215,9 +204,14 @@ class ReplicateState:
         return copied
 
     @property
+    def training_state(self) -> TrainingState:
+        """Where the module is in its training step (``TrainingState``)."""
+        return self.lifecycle.now
+
+    @property
     def nested(self) -> bool:
-        """Whether an enclosing replicated module reduces this module's parameters (``Mode.NESTED``)."""
-        return self.mode is Mode.NESTED
+        """Whether an enclosing replicated module reduces this module's parameters (``TrainingState.NESTED``)."""
+        return self.lifecycle.now is TrainingState.NESTED
 
     def nest_into(self, outer: ReplicateState) -> None:
         """Hands this module's reduction to ``outer``, an enclosing replicated module.
@@ -237,7 +231,7 @@ class ReplicateState:
                 f"and the enclosing {class_name(outer.module)}); pass the same group or mesh to both"
             )
         self._outer = weakref.ref(outer)
-        self.mode = Mode.NESTED
+        self.lifecycle.now = TrainingState.NESTED
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -330,6 +324,8 @@ class ReplicateState:
             learned = self.reducer.learned
             self.reducer.remove_hooks()
             self.reducer = None
+        if self.lifecycle.now is TrainingState.BACKWARD or self.lifecycle.now is TrainingState.ENDING:
+            self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
         for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
             check_mesh_apart(name, param, self.group)
         self.plan = plan
@@ -371,6 +367,7 @@ class ReplicateState:
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             layout=grad_layout(self.config.gradient_as_bucket_view),
             reduction=self.reduction,
+            lifecycle=self.lifecycle,
             sync=self.sync,
             clock=self.clock,
             probe=self.probe,

@@ -70,13 +70,12 @@ from torchreplicate.reducer.reduction import Reduction
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.step import (
-    StepPhase,
     StepState,
     end_backward,
     step_in_backward_optimizers,
     take_over_in_backward_optimizers,
 )
-from torchreplicate.reducer.switches import Learned, SyncSwitch
+from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
 
@@ -92,6 +91,7 @@ class Reducer:
         first_bucket_cap_bytes: cap of the first bucket.
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
+        lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
@@ -115,6 +115,7 @@ class Reducer:
         first_bucket_cap_bytes: int,
         layout: GradLayout,
         reduction: Reduction,
+        lifecycle: Lifecycle,
         sync: SyncSwitch,
         clock: TrainingClock,
         probe: Probe,
@@ -127,6 +128,7 @@ class Reducer:
         learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
         self.layout = layout
+        self.lifecycle = lifecycle  # the module's one TrainingState: BACKWARD and ENDING are set here
         self.sync = sync
         self.probe = probe
         self.slots = make_slots(params, names, learned.expected)
@@ -221,9 +223,10 @@ class Reducer:
 
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
-        step = self.step
-        if step.phase is StepPhase.IDLE and self.sync.on:
-            step.phase = StepPhase.BACKWARD
+        lifecycle = self.lifecycle
+        # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
+        if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
+            lifecycle.now = TrainingState.BACKWARD
             self.probe.backward(self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
@@ -264,7 +267,7 @@ class Reducer:
 
     def _take(self, slot: ParamSlot) -> None:
         step = self.step
-        if step.phase is StepPhase.IDLE:
+        if self.lifecycle.now is not TrainingState.BACKWARD:
             self.queue_finalize()
         fired = step.fired[slot.index] + 1
         step.fired[slot.index] = fired
@@ -306,7 +309,7 @@ class Reducer:
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
-        if self.sync.on and self.step.phase is StepPhase.IDLE:
+        if self.sync.on and self.lifecycle.now is not TrainingState.BACKWARD:
             self.queue_finalize()
 
     def _launch_ready(self, step: StepState) -> None:
@@ -338,7 +341,7 @@ class Reducer:
     def _finalize(self) -> None:
         # The autograd engine's end-of-backward callback ([Note: end of backward] in step.py).
         step = self.step
-        step.phase = StepPhase.ENDING
+        self.lifecycle.now = TrainingState.ENDING
         end_ns = time.perf_counter_ns()
         try:
             late = end_backward(self, step)
@@ -352,10 +355,12 @@ class Reducer:
             raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
         finally:
             self.step = StepState(len(self.slots), self.buckets)
+            self.lifecycle.now = TrainingState.IDLE
 
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
+        assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         sums = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
         if sums[len(self.slots)].item() > 0:  # a late round somewhere
             for bucket in self.buckets:

@@ -38,7 +38,6 @@ same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -56,14 +55,6 @@ if TYPE_CHECKING:
     from torchreplicate.reducer.reducer import Reducer
 
 
-class StepPhase(enum.Enum):
-    """Where a reducer is in one synchronised backward (``StepState.phase``)."""
-
-    IDLE = "idle"  # no synchronised backward has started since the last one ended
-    BACKWARD = "backward"  # started: its end is queued on the autograd engine; hooks fill buckets
-    ENDING = "ending"  # the end of backward runs: remaining launches, waits, flags, learning
-
-
 class StepState:
     """Everything one synchronised backward knows, per parameter and per bucket; replaced at its end.
 
@@ -73,7 +64,6 @@ class StepState:
     """
 
     __slots__ = (
-        "phase",
         "fired",
         "grew",
         "first_ready",
@@ -87,7 +77,6 @@ class StepState:
     )
 
     def __init__(self, num_params: int, buckets: Sequence[Bucket]) -> None:
-        self.phase = StepPhase.IDLE
         # - Per parameter
         self.fired = [0] * num_params  # accumulations into .grad seen
         self.grew = False  # some parameter fired more often than learned so far
