@@ -13,10 +13,12 @@ iteration of a rank still training then runs, in this order:
    the highest of them (the buffers' source: rank 0 may have joined with
    stale buffers) and whether to shadow a backward;
 3. the buffer broadcast, from that source, if due ([Note: buffer sync]);
-4. the backward's buckets (the flags in the last), and a late round when
-   the flags ask for one.
+4. the backward's buckets (the flags in the last), then the rounds after
+   them (reducer/rounds.py: a late round when the flags ask for one, the
+   sparse gradients, the tied parameters' rows).
 
-A joined rank's ``main_hook`` runs the same collectives with zeros: no
+A joined rank's ``main_hook`` runs the same collectives with zeros (its
+reduction's shadow of the buckets, then each round's ``shadow``): no
 gradients, no flags, no late gradients (the training clock's residues are
 zero too, so desync detection ignores it). The divisor is the initial world
 size (joined ranks count as zeros) or, with

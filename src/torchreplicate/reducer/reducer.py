@@ -60,16 +60,18 @@ from torchreplicate.reducer.bucket import (
     layout_digest,
     make_slots,
 )
-from torchreplicate.reducer.collectives import WeakGroup, all_reduce, is_transport_error
+from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags, real_view
+from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
+from torchreplicate.reducer.rounds import Round, StepEnd
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.step import (
+    LateRound,
     StepState,
     end_backward,
     step_in_backward_optimizers,
@@ -135,6 +137,7 @@ class Reducer:
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
         self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied])
+        self.late_round = LateRound()  # the first of the rounds after the buckets (step.py)
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes, fixed_layout)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
@@ -175,6 +178,22 @@ class Reducer:
         if self._view is None:
             self._view = ReducerView.of(self.buckets, self.probe.watch)
         return self._view
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds after the buckets, in order (rounds.py): the late round, then the sparse
+        gradients and the tied parameters' rows where this reducer has such parameters."""
+        rounds: tuple[Round, ...] = (self.late_round,)
+        if self.sparse.slots:
+            rounds += (self.sparse,)
+        if self.late_uses.slots:
+            rounds += (self.late_uses,)
+        return rounds
+
+    def step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
+        """What the rounds of this step read, once the buckets are back and the flags summed."""
+        divide_factor = self.reduction.divide_factor
+        return StepEnd(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
 
     def where(self, bucket: Bucket) -> str:
         """Rank, step and parameters, for errors a user must trace to a layer."""
@@ -361,13 +380,10 @@ class Reducer:
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
-        sums = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
-        if sums[len(self.slots)].item() > 0:  # a late round somewhere
-            for bucket in self.buckets:
-                all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.watch)
-        self.sparse.shadow(self.group, self.probe.watch)
-        if self.late_uses.slots:
-            self.late_uses.shadow(self.group, self.probe.watch)
+        flags = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
+        end = self.step_end(FlagSums(frozenset(), flags[len(self.slots)].item() > 0), {})  # the others' late flag
+        for round_ in self.rounds:
+            round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self.step = StepState(len(self.slots), self.buckets)
