@@ -248,6 +248,10 @@ class ReplicateState:
         """Whether the module is inside an enabled ``Join`` context (torch sets its join config)."""
         return join_enabled(self.module)
 
+    def refuse_join(self, reason: str) -> None:
+        """From now on, torch's ``Join`` raises ``RuntimeError(reason)`` for this module (``replicate_ft``)."""
+        self.join_refusal = reason
+
     def note_change(self) -> None:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
         self._num_noted_changes += 1
