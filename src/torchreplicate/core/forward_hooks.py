@@ -4,9 +4,11 @@ Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check ([Note: re-planning] in plan.py) and
 the buffer broadcast ([Note: buffer sync] in buffers.py); inputs cast
 (mp_policy). After it: whether the next forward broadcasts buffers, outputs
-cast, and a hook on each output that queues the reducer's end-of-backward work. Both
-hooks run at every forward, so they stay flat: bound methods registered
-directly, calling plain functions, with no wrapper layers between.
+cast, and a hook on each output that queues the reducer's end-of-backward work. They
+move the module's ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a
+forward recomputed inside a backward stays ``BACKWARD``). Both hooks run at
+every forward, so they stay flat: bound methods registered directly, calling
+plain functions, with no wrapper layers between.
 """
 
 from __future__ import annotations
