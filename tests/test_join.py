@@ -118,9 +118,7 @@ def unknown_join_option(rank: int, world_size: int) -> list[str]:
             messages.append("no error")
         except TypeError as error:
             messages.append(str(error))
-    assert not state.join_divides_by_training and not state.joining, (
-        f"rank {rank}: a refused join_hook changed the state"
-    )
+    assert state.join_hook is None and not state.joining, f"rank {rank}: a refused join_hook changed the state"
     return messages
 
 

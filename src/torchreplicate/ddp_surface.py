@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from torchreplicate.core.join import start_join
 from torchreplicate.core.plan import IGNORE_ATTRIBUTE, check_ignored_names
 from torchreplicate.core.registry import get_state
 from torchreplicate.ddp_args import warn_no_effect
@@ -242,7 +243,7 @@ class DDPSurface:
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """torch's ``Joinable`` protocol: the hook a joined rank runs (see ``join``)."""
-        return get_state(self).join_hook(**kwargs)
+        return start_join(get_state(self), kwargs)
 
     @property
     def join_device(self) -> torch.device:

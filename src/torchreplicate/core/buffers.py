@@ -83,10 +83,10 @@ def broadcast_buffers(state: ReplicateState, source: int) -> None:
     values = state.plan.buffer_values()
     if not values or state.world_size == 1:
         return
-    watch = state.watch
+    watch = state.probe.watch
     try:
         with preserved_versions(values):
-            broadcast_coalesced(values, state.group, src_rank=source, waiter=state.probe.waiter)
+            broadcast_coalesced(values, state.group, src_rank=source, waiter=state.probe.watch)
     except RuntimeError as error:
         if watch is None or not is_transport_error(error):
             raise

@@ -4,9 +4,11 @@ Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check ([Note: re-planning] in plan.py) and
 the buffer broadcast ([Note: buffer sync] in buffers.py); inputs cast
 (mp_policy). After it: whether the next forward broadcasts buffers, outputs
-cast, and a hook on each output that queues the reducer's end-of-backward work. Both
-hooks run at every forward, so they stay flat: bound methods registered
-directly, calling plain functions, with no wrapper layers between.
+cast, and a hook on each output that queues the reducer's end-of-backward work. They
+move the module's ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a
+forward recomputed inside a backward stays ``BACKWARD``). Both hooks run at
+every forward, so they stay flat: bound methods registered directly, calling
+plain functions, with no wrapper layers between.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
+from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled
 
 if TYPE_CHECKING:
@@ -67,8 +70,10 @@ class ForwardHooks:
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Runs after every forward of the root; returns the (cast) output."""
         state = self.state
-        state.tied.end()
-        if state.nested:
+        lifecycle = state.lifecycle
+        if lifecycle.now is TrainingState.FORWARD:
+            lifecycle.now = TrainingState.IDLE
+        elif lifecycle.now is TrainingState.NESTED:
             return output  # nested replicate: the enclosing module does this work
         if torch.is_grad_enabled():
             state.buffer_sync.note_forward(state.sync.on)
@@ -104,7 +109,10 @@ def sync_before_forward(state: ReplicateState) -> None:
         state.replan_if_changed()
     if buffers:
         broadcast_buffers(state, buffer_source)
-    state.tied.begin(state.reducer, state.sync.on)
+    now = state.lifecycle.now
+    if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
+        state.lifecycle.now = TrainingState.FORWARD
+        state.tied.begin(state.reducer, state.sync.on)
 
 
 def without_hooks(attributes: dict[str, Any], handles: list[RemovableHandle]) -> dict[str, Any]:

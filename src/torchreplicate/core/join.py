@@ -13,10 +13,12 @@ iteration of a rank still training then runs, in this order:
    the highest of them (the buffers' source: rank 0 may have joined with
    stale buffers) and whether to shadow a backward;
 3. the buffer broadcast, from that source, if due ([Note: buffer sync]);
-4. the backward's buckets (the flags in the last), and a late round when
-   the flags ask for one.
+4. the backward's buckets (the flags in the last), then the rounds after
+   them (reducer/rounds.py: a late round when the flags ask for one, the
+   sparse gradients, the tied parameters' rows).
 
-A joined rank's ``main_hook`` runs the same collectives with zeros: no
+A joined rank's ``main_hook`` runs the same collectives with zeros (its
+reduction's shadow of the buckets, then each round's ``shadow``): no
 gradients, no flags, no late gradients (the training clock's residues are
 zero too, so desync detection ignores it). The divisor is the initial world
 size (joined ranks count as zeros) or, with
@@ -42,6 +44,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from torchreplicate.core.buffers import broadcast_buffers
 from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
@@ -73,7 +76,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
         vector[world_size + 1] = float(state.buffer_sync.wanted)
-    all_reduce(vector, group, state.probe.waiter)
+    all_reduce(vector, group, state.probe.watch)
     flags = vector.tolist()
     present = [r for r, v in enumerate(flags[:world_size]) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)
@@ -86,9 +89,8 @@ def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinH
     unknown = set(options) - {"divide_by_initial_world_size"}
     if unknown:
         raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")
-    divide_by_initial = options.get("divide_by_initial_world_size", True)
-    state.join_divides_by_training = not divide_by_initial
-    return ReplicateJoinHook(state, divide_by_initial)
+    hook = state.join_hook = ReplicateJoinHook(state, options.get("divide_by_initial_world_size", True))
+    return hook
 
 
 def training_join_round(state: ReplicateState) -> JoinRound:
@@ -96,7 +98,8 @@ def training_join_round(state: ReplicateState) -> JoinRound:
     joinable: Any = state.module
     Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
     verdict = join_round(state, training=True)
-    if state.reducer is not None and state.join_divides_by_training:
+    hook = state.join_hook
+    if state.reducer is not None and hook is not None and not hook.divide_by_initial_world_size:
         state.reducer.reduction.set_divide_factor(float(verdict.num_training))
     return verdict
 
@@ -117,11 +120,16 @@ class ReplicateJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Shadows one iteration of the ranks still training."""
         state = self.state
-        verdict = join_round(state, training=False)
-        if verdict.buffers:
-            broadcast_buffers(state, verdict.source)
-        if verdict.sync and state.reducer is not None:
-            state.reducer.shadow_step()
+        lifecycle = state.lifecycle
+        before, lifecycle.now = lifecycle.now, TrainingState.SHADOWING
+        try:
+            verdict = join_round(state, training=False)
+            if verdict.buffers:
+                broadcast_buffers(state, verdict.source)
+            if verdict.sync and state.reducer is not None:
+                state.reducer.shadow_step()
+        finally:
+            lifecycle.now = before
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters, buffers and training clock of the last rank to join."""
@@ -146,7 +154,7 @@ class ReplicateJoinHook(JoinHook):
 
 def end_join(state: ReplicateState) -> None:
     """Every rank joined: back to no join rounds and the usual divisor."""
-    state.join_divides_by_training = False
+    state.join_hook = None
     disable_join(state.module)
     if state.reducer is not None:
         state.reducer.reduction.set_divide_factor(None)

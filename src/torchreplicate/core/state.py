@@ -9,7 +9,6 @@ reduction in reducer.py.
 
 from __future__ import annotations
 
-import enum
 import weakref
 from typing import Any, Optional
 
@@ -18,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, join, lazy, nested
+from torchreplicate.core import forward_hooks, lazy, nested
 from torchreplicate.core.buffers import BufferSync
+from torchreplicate.core.join import ReplicateJoinHook
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
@@ -38,24 +38,11 @@ from torchreplicate.reducer.grad_layout import grad_layout
 from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
-from torchreplicate.reducer.switches import Learned, SyncSwitch
+from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
 
 MiB = 1024 * 1024
-
-
-class Mode(enum.Enum):
-    """Who reduces a replicated module's parameters (``ReplicateState.mode``).
-
-    Set where it changes, read by the forward hooks. Two other conditions
-    are torch's to decide and are read from torch, each in one place: an
-    enabled ``Join`` (``ReplicateState.joining``) and compiled autograd
-    (the forward pre-hook; the gradient hook sees it being traced).
-    """
-
-    OWN = "own"  # the module itself: its reducer (none at world size 1 without a comm hook)
-    NESTED = "nested"  # an enclosing replicated module, in its collective sequence ([Note: nested replicate])
 
 
 class ReplicateState:
@@ -77,6 +64,12 @@ class ReplicateState:
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
+        # - Lifecycle: the module's one TrainingState, shared with every reducer
+        #   it builds (they move it through a synchronised backward); the
+        #   forward hooks, the tied holders and Join read it. Two conditions are
+        #   torch's to decide and are read from torch: an enabled Join
+        #   (`joining`) and compiled autograd ([Note: compiled autograd]).
+        self.lifecycle = Lifecycle()
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
@@ -88,7 +81,7 @@ class ReplicateState:
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
-        self.tied = TiedUses()  # tied parameters' first use detached ([Note: tied parameters]), per plan
+        self.tied = TiedUses(self.lifecycle)  # tied parameters' first use detached ([Note: tied parameters]), per plan
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
@@ -96,13 +89,10 @@ class ReplicateState:
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
         self.probe = Probe()
         self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
-        # what the forward hooks do (Mode); NESTED once an enclosing replicated
-        # module reduces this one's parameters in its own collective sequence
-        self.mode = Mode.OWN
-        self._outer: Optional[weakref.ref[ReplicateState]] = None  # that enclosing module's state
-        # inside torch's Join with divide_by_initial_world_size=False: the sum is
-        # divided by the ranks still training ([Note: join] in join.py)
-        self.join_divides_by_training = False
+        self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
+        # the hook torch's Join took from model.join_hook() (it holds the
+        # divisor rule), until every rank joined; None outside a Join ([Note: join])
+        self.join_hook: Optional[ReplicateJoinHook] = None
         self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
         # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
         self._handles = forward_hooks.ForwardHooks(self).install(module)
@@ -181,11 +171,6 @@ class ReplicateState:
             self.reduction = reduction
 
     @property
-    def watch(self) -> Optional[StallWatch]:
-        """The stall watchdog (watchdog.py), or None (world size 1, ``stall_timeout=None``, nested)."""
-        return self.probe.watch
-
-    @property
     def events(self) -> Optional[StepEvents]:
         """The observer of every step's timeline (``set_events``), or None."""
         return self.probe.events
@@ -219,9 +204,14 @@ class ReplicateState:
         return copied
 
     @property
+    def training_state(self) -> TrainingState:
+        """Where the module is in its training step (``TrainingState``)."""
+        return self.lifecycle.now
+
+    @property
     def nested(self) -> bool:
-        """Whether an enclosing replicated module reduces this module's parameters (``Mode.NESTED``)."""
-        return self.mode is Mode.NESTED
+        """Whether an enclosing replicated module reduces this module's parameters (``TrainingState.NESTED``)."""
+        return self.lifecycle.now is TrainingState.NESTED
 
     def nest_into(self, outer: ReplicateState) -> None:
         """Hands this module's reduction to ``outer``, an enclosing replicated module.
@@ -241,7 +231,7 @@ class ReplicateState:
                 f"and the enclosing {class_name(outer.module)}); pass the same group or mesh to both"
             )
         self._outer = weakref.ref(outer)
-        self.mode = Mode.NESTED
+        self.lifecycle.now = TrainingState.NESTED
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -253,18 +243,14 @@ class ReplicateState:
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
-    def join_hook(self, **kwargs: Any) -> join.ReplicateJoinHook:
-        """The hook torch's ``Join`` runs on a rank that ran out of inputs; starts the join rounds."""
-        return join.start_join(self, kwargs)
-
     @property
     def joining(self) -> bool:
         """Whether the module is inside an enabled ``Join`` context (torch sets its join config)."""
         return join_enabled(self.module)
 
-    def end_join(self) -> None:
-        """Every rank joined: back to no join rounds and the usual divisor."""
-        join.end_join(self)
+    def refuse_join(self, reason: str) -> None:
+        """From now on, torch's ``Join`` raises ``RuntimeError(reason)`` for this module (``replicate_ft``)."""
+        self.join_refusal = reason
 
     def note_change(self) -> None:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
@@ -342,6 +328,8 @@ class ReplicateState:
             learned = self.reducer.learned
             self.reducer.remove_hooks()
             self.reducer = None
+        if self.lifecycle.now is TrainingState.BACKWARD or self.lifecycle.now is TrainingState.ENDING:
+            self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
         for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
             check_mesh_apart(name, param, self.group)
         self.plan = plan
@@ -354,10 +342,10 @@ class ReplicateState:
             self.group,
             self.collective_device(),
             self.config.wire_options,
-            self.probe.waiter,
+            self.probe.watch,
         )
         if self.world_size > 1 and to_broadcast:
-            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.waiter)
+            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.watch)
         stall_timeout_s = self.config.stall_timeout_s
         if token is not None and self.world_size > 1 and stall_timeout_s is not None:
             watch = self.probe.watch = StallWatch(
@@ -383,6 +371,7 @@ class ReplicateState:
             first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
             layout=grad_layout(self.config.gradient_as_bucket_view),
             reduction=self.reduction,
+            lifecycle=self.lifecycle,
             sync=self.sync,
             clock=self.clock,
             probe=self.probe,

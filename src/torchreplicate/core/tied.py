@@ -30,6 +30,7 @@ from torchreplicate.core.plan import Plan
 from torchreplicate.reducer.dtensors import is_dtensor
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, Reduction
+from torchreplicate.reducer.switches import Lifecycle, TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled, parameters_of
 
 
@@ -62,12 +63,18 @@ def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> 
 
 
 class TiedUses:
-    """The hooks of one replicated module's tied parameters; re-installed at every re-plan."""
+    """The hooks of one replicated module's tied parameters; re-installed at every re-plan.
 
-    def __init__(self) -> None:
+    Args:
+        lifecycle: the module's; holders detach only while it is ``FORWARD``.
+    """
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
         self._handles: list[RemovableHandle] = []
-        self.reducer: Optional[Reducer] = None  # the reducer of the forward in progress
-        self.active = False  # inside a forward of the root that detaches
+        self.lifecycle = lifecycle
+        # the reducer the detached uses of the root's current (or last) forward
+        # go to; None: that forward does not detach (decided once, at its start)
+        self.reducer: Optional[Reducer] = None
         # per tied parameter (by identity) in this forward: the module given the
         # detached copy, and the copy
         self.detached: dict[int, tuple[nn.Module, torch.Tensor]] = {}
@@ -96,25 +103,14 @@ class TiedUses:
             handle.remove()
         self._handles.clear()
         self.reducer = None
-        self.active = False
         self.detached.clear()
 
     def begin(self, reducer: Optional[Reducer], syncs: bool) -> None:
-        """The root's forward starts (gradients enabled); ``syncs``: its backward will be synchronised."""
+        """The root's forward starts (``FORWARD``); ``syncs``: its backward will be synchronised."""
         self.detached.clear()
-        self.reducer = reducer
         # a comm hook registered since the plan leaves the reducer no tied slots
-        self.active = bool(
-            self._handles
-            and syncs
-            and reducer is not None
-            and reducer.late_uses.slots
-            and not compiled_autograd_enabled()
-        )
-
-    def end(self) -> None:
-        """The root's forward ended."""
-        self.active = False
+        detaches = self._handles and syncs and reducer is not None and reducer.late_uses.slots
+        self.reducer = reducer if detaches and not compiled_autograd_enabled() else None
 
 
 class _HolderHook:
@@ -134,10 +130,11 @@ class _HolderHook:
         owner = self.owner
         swapped: list[tuple[str, nn.Parameter]] = []
         self.restore.append(swapped)
-        if owner is None or not owner.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if owner is None or owner.lifecycle.now is not TrainingState.FORWARD or owner.reducer is None:
+            return
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         reducer = owner.reducer
-        assert reducer is not None
         params = parameters_of(module)
         for name, param, index in self.uses:
             if params.get(name) is not param:

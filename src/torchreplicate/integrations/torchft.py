@@ -140,7 +140,7 @@ def replicate_ft(
         init_sync=False,
     )
     module.register_comm_hook(ManagerHookState(manager, reduce_dtype), manager_allreduce_hook)  # type: ignore[operator]
-    get_state(module).join_refusal = (
+    get_state(module).refuse_join(
         "replicate_ft(): torch's Join does not apply across torchft replica groups (this module's process "
         "group is this process alone); a replica group that runs out of data stops calling start_quorum() "
         "and the others go on without it: drop the Join context"

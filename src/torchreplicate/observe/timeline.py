@@ -97,11 +97,6 @@ class StepRecord:
         last = max([b.done_ns for b in self.buckets] + [end for _, end in self.late_rounds])
         return last - min(b.launch_ns for b in self.buckets)
 
-    @property
-    def backward_time_ns(self) -> int:
-        """First hook of the backward to the end of the step."""
-        return self.end_ns - self.backward_ns
-
 
 class StepRecorder:
     """The step observer (probe.py's ``StepEvents``) that turns the reducer's events into ``StepRecord``s.

@@ -4,8 +4,8 @@ A ``Bucket`` is one flat buffer that travels in one collective; each
 ``ParamSlot`` is one reduced parameter and the view of the bucket that holds
 its gradient. They hold the layout (fixed until the buckets are rebuilt) and
 what was learned across steps. Everything that lives for one synchronised
-backward, per parameter and per bucket, is in ``StepState``: one object,
-which the reducer replaces at the end of each step (its one reset).
+backward, per parameter and per bucket, is in step.py's ``StepState``: one
+object, which the reducer replaces at the end of each step (its one reset).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ rows, which is what the bucket would have sent.
 
 Kept only where it pays: with a tuned cap, at the end of the first step the
 schedule prices the step with and without the split ([Note: buckets from the
-schedule], ``tuning.split_pays``); where the link is not the step (loopback:
+schedule], ``schedule.split_pays``); where the link is not the step (loopback:
 measured 7% slower against DDP with ``gradient_as_bucket_view``, from the
 rows round's CPU work) or the rows would be bytes sent twice on a saturated
 link (100 Mbit), the parameter goes back to one ``.grad``, whole, in the last
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.collectives import Waiter, all_reduce
 from torchreplicate.reducer.grad_layout import GradLayout
+from torchreplicate.reducer.rounds import StepEnd
 
 
 class LateUses:
@@ -86,12 +87,17 @@ class LateUses:
         return 4 * sum(_num_rows(slot.param) for slot in self.slots)
 
     @torch.no_grad()
-    def reduce(self, group: dist.ProcessGroup, divide_factor: float, waiter: Optional[Waiter] = None) -> None:
+    def reduce(self, end: StepEnd) -> None:
         """Adds the mean of every rank's detached uses' gradients to the reduced ``.grad``, by rows.
 
-        Called on every rank at the end of a synchronised backward, after the
-        buckets (step.py). Rows no rank touched are not sent.
+        A round (rounds.py): on every rank at the end of a synchronised
+        backward, after the buckets. Rows no rank touched are not sent.
         """
+        end.probe.at("the tied parameters' rows", end.step)
+        with end.probe.span("tied_rows"):
+            self._reduce(end.group, end.divide_factor, end.probe.watch)
+
+    def _reduce(self, group: dist.ProcessGroup, divide_factor: float, waiter: Optional[Waiter]) -> None:
         started = time.perf_counter_ns()
         kept, self.kept = self.kept, {}
         rows = self._agree_rows(group, waiter, kept)
@@ -111,11 +117,12 @@ class LateUses:
         self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
-    def shadow(self, group: dist.ProcessGroup, waiter: Optional[Waiter] = None) -> None:
+    def shadow(self, end: StepEnd) -> None:
         """A joined rank's part (join.py): the same collectives, zeros."""
-        for slot, picked in zip(self.slots, self._agree_rows(group, waiter, {}), strict=True):
+        waiter = end.probe.watch
+        for slot, picked in zip(self.slots, self._agree_rows(end.group, waiter, {}), strict=True):
             if picked.numel():
-                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), group, waiter)
+                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), end.group, waiter)
 
     def _agree_rows(
         self, group: dist.ProcessGroup, waiter: Optional[Waiter], kept: dict[int, torch.Tensor]

@@ -116,11 +116,6 @@ class Probe:
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
 
-    @property
-    def waiter(self) -> Optional[StallWatch]:
-        """What waits the module's collectives: the stall watchdog (``StallWatch.wait``), or None."""
-        return self.watch
-
     def at(self, where: str, step: int) -> None:
         """This rank is at ``where`` (a forward, a re-plan, the flags' all-reduce, ...) of ``step``."""
         if self.watch is not None:

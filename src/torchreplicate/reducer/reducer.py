@@ -60,23 +60,24 @@ from torchreplicate.reducer.bucket import (
     layout_digest,
     make_slots,
 )
-from torchreplicate.reducer.collectives import WeakGroup, all_reduce, is_transport_error
+from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import StepFlags, TrainingClock, num_flags, real_view
+from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
+from torchreplicate.reducer.rounds import Round, StepEnd
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.step import (
-    StepPhase,
+    LateRound,
     StepState,
     end_backward,
     step_in_backward_optimizers,
     take_over_in_backward_optimizers,
 )
-from torchreplicate.reducer.switches import Learned, SyncSwitch
+from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
 
@@ -92,6 +93,7 @@ class Reducer:
         first_bucket_cap_bytes: cap of the first bucket.
         layout: where ``.grad`` lives (grad_layout.py).
         reduction: how buckets are reduced (reduction.py); bound here.
+        lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
@@ -115,6 +117,7 @@ class Reducer:
         first_bucket_cap_bytes: int,
         layout: GradLayout,
         reduction: Reduction,
+        lifecycle: Lifecycle,
         sync: SyncSwitch,
         clock: TrainingClock,
         probe: Probe,
@@ -127,12 +130,14 @@ class Reducer:
         learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
         self.layout = layout
+        self.lifecycle = lifecycle  # the module's one TrainingState: BACKWARD and ENDING are set here
         self.sync = sync
         self.probe = probe
         self.slots = make_slots(params, names, learned.expected)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
         self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied])
+        self.late_round = LateRound()  # the first of the rounds after the buckets (step.py)
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes, fixed_layout)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
@@ -171,8 +176,24 @@ class Reducer:
     def view(self) -> ReducerView:
         """What observers read (trace(), log_summary()): the same object until the buckets change."""
         if self._view is None:
-            self._view = ReducerView.of(self.buckets, self.probe.waiter)
+            self._view = ReducerView.of(self.buckets, self.probe.watch)
         return self._view
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds after the buckets, in order (rounds.py): the late round, then the sparse
+        gradients and the tied parameters' rows where this reducer has such parameters."""
+        rounds: tuple[Round, ...] = (self.late_round,)
+        if self.sparse.slots:
+            rounds += (self.sparse,)
+        if self.late_uses.slots:
+            rounds += (self.late_uses,)
+        return rounds
+
+    def step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
+        """What the rounds of this step read, once the buckets are back and the flags summed."""
+        divide_factor = self.reduction.divide_factor
+        return StepEnd(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
 
     def where(self, bucket: Bucket) -> str:
         """Rank, step and parameters, for errors a user must trace to a layer."""
@@ -207,7 +228,7 @@ class Reducer:
         self.flags = self._bind(reduction, self.flags.clock, weak_group)
 
     def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.waiter)
+        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.watch)
         return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
 
     def remove_hooks(self) -> None:
@@ -221,9 +242,10 @@ class Reducer:
 
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
-        step = self.step
-        if step.phase is StepPhase.IDLE and self.sync.on:
-            step.phase = StepPhase.BACKWARD
+        lifecycle = self.lifecycle
+        # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
+        if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
+            lifecycle.now = TrainingState.BACKWARD
             self.probe.backward(self.num_steps)
             queue_end_of_backward_callback(self._finalize)
 
@@ -264,7 +286,7 @@ class Reducer:
 
     def _take(self, slot: ParamSlot) -> None:
         step = self.step
-        if step.phase is StepPhase.IDLE:
+        if self.lifecycle.now is not TrainingState.BACKWARD:
             self.queue_finalize()
         fired = step.fired[slot.index] + 1
         step.fired[slot.index] = fired
@@ -306,7 +328,7 @@ class Reducer:
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
-        if self.sync.on and self.step.phase is StepPhase.IDLE:
+        if self.sync.on and self.lifecycle.now is not TrainingState.BACKWARD:
             self.queue_finalize()
 
     def _launch_ready(self, step: StepState) -> None:
@@ -338,7 +360,7 @@ class Reducer:
     def _finalize(self) -> None:
         # The autograd engine's end-of-backward callback ([Note: end of backward] in step.py).
         step = self.step
-        step.phase = StepPhase.ENDING
+        self.lifecycle.now = TrainingState.ENDING
         end_ns = time.perf_counter_ns()
         try:
             late = end_backward(self, step)
@@ -352,17 +374,16 @@ class Reducer:
             raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
         finally:
             self.step = StepState(len(self.slots), self.buckets)
+            self.lifecycle.now = TrainingState.IDLE
 
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
-        sums = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
-        if sums[len(self.slots)].item() > 0:  # a late round somewhere
-            for bucket in self.buckets:
-                all_reduce(torch.zeros_like(bucket.grads), self.group, self.probe.waiter)
-        self.sparse.shadow(self.group, self.probe.waiter)
-        if self.late_uses.slots:
-            self.late_uses.shadow(self.group, self.probe.waiter)
+        assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
+        flags = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
+        end = self.step_end(FlagSums(frozenset(), flags[len(self.slots)].item() > 0), {})  # the others' late flag
+        for round_ in self.rounds:
+            round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self.step = StepState(len(self.slots), self.buckets)

@@ -10,13 +10,13 @@ rank used keeps ``grad=None``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.collectives import Waiter, all_reduce
+from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.rounds import StepEnd
 
 
 class SparseGrads:
@@ -33,14 +33,9 @@ class SparseGrads:
         """Indices of the sparse parameters this rank has no gradient for."""
         return [slot.index for slot in self.slots if slot.param.grad is None]
 
-    def reduce(
-        self,
-        group: dist.ProcessGroup,
-        divide_factor: float,
-        unused_everywhere: frozenset[int],
-        waiter: Optional[Waiter] = None,
-    ) -> None:
-        """All-reduces every sparse gradient and writes back its average (or None)."""
+    def reduce(self, end: StepEnd) -> None:
+        """All-reduces every sparse gradient and writes back its average (or None): a round (rounds.py)."""
+        end.probe.at("sparse gradients", end.step)
         for slot in self.slots:
             param = slot.param
             grad = param.grad
@@ -53,13 +48,13 @@ class SparseGrads:
                     "flag before replicate() and keep it"
                 )
             summed = grad.coalesce().clone()
-            all_reduce(summed, group, waiter)
-            param.grad = None if slot.index in unused_everywhere else (summed / divide_factor).coalesce()
+            all_reduce(summed, end.group, end.probe.watch)
+            param.grad = None if slot.index in end.sums.unused_everywhere else (summed / end.divide_factor).coalesce()
 
-    def shadow(self, group: dist.ProcessGroup, waiter: Optional[Waiter] = None) -> None:
+    def shadow(self, end: StepEnd) -> None:
         """A joined rank's part (join.py): an empty gradient for every sparse parameter."""
         for slot in self.slots:
-            all_reduce(_empty_like(slot.param), group, waiter)
+            all_reduce(_empty_like(slot.param), end.group, end.probe.watch)
 
 
 def _empty_like(param: torch.Tensor) -> torch.Tensor:

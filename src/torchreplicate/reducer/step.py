@@ -7,20 +7,14 @@ parameter and per bucket; the reducer replaces it at the end of each step
 ``Reducer._finalize`` runs ``end_backward`` once the autograd engine is done
 (torch_internals.queue_end_of_backward_callback): it launches every bucket the
 hooks did not (the last with the flags), waits for all, reads the summed
-flags, points ``.grad`` at the averages, runs the late round if any rank had
-a late gradient, reduces sparse gradients and adds the tied parameters'
-detached uses ([Note: tied parameters] in late_uses.py). It reads the reducer and
-changes only the step and ``.grad``; the reducer then learns what the step
+flags, points ``.grad`` at the averages, then runs the reducer's rounds
+(rounds.py: the late round if any rank had a late gradient, sparse
+gradients, the tied parameters' rows). Besides the step and ``.grad`` it
+drives the reducer's own parts: ``Reducer.launch``, the flags (written, then
+summed in place), the tied rows' round (which resets what it kept and
+records its size and time); the reducer then learns what the step
 taught (firing counts, launch order, bucket cap) and steps torch's
 optimizer-in-backward on the average (``step_in_backward_optimizers``).
-
-[Note: the late round]
-A parameter's hook may fire again after its bucket left (the graph changed
-between steps: [Note: when is a parameter ready] in reducer.py). That
-gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
-it back), and the flags told every rank that some rank has one. So every
-rank runs one more round (``reduce_late``), whatever it holds itself: the
-same collectives, in bucket order, zeros where a rank has nothing late.
 
 [Note: end of backward]
 The callback is queued from a hook on the forward outputs (the outermost
@@ -36,30 +30,20 @@ same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 
 from __future__ import annotations
 
-import enum
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from torchreplicate.errors import desync_error, raise_with_place
 from torchreplicate.reducer.bucket import Bucket, ParamSlot, layout_digest
-from torchreplicate.reducer.collectives import Waiter, all_reduce
+from torchreplicate.reducer.collectives import all_reduce
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
+from torchreplicate.reducer.rounds import StepEnd
 from torchreplicate.torch_internals import remove_in_backward_optimizer_hooks
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer.grad_layout import LateGrads
     from torchreplicate.reducer.reducer import Reducer
-
-
-class StepPhase(enum.Enum):
-    """Where a reducer is in one synchronised backward (``StepState.phase``)."""
-
-    IDLE = "idle"  # no synchronised backward has started since the last one ended
-    BACKWARD = "backward"  # started: its end is queued on the autograd engine; hooks fill buckets
-    ENDING = "ending"  # the end of backward runs: remaining launches, waits, flags, learning
 
 
 class StepState:
@@ -71,7 +55,6 @@ class StepState:
     """
 
     __slots__ = (
-        "phase",
         "fired",
         "grew",
         "first_ready",
@@ -85,7 +68,6 @@ class StepState:
     )
 
     def __init__(self, num_params: int, buckets: Sequence[Bucket]) -> None:
-        self.phase = StepPhase.IDLE
         # - Per parameter
         self.fired = [0] * num_params  # accumulations into .grad seen
         self.grew = False  # some parameter fired more often than learned so far
@@ -113,7 +95,7 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     """Completes the reduction of one synchronised backward (gradients off: the caller's ``no_grad``).
 
     Args:
-        reducer: the module's reducer (read, never changed here).
+        reducer: the module's reducer; its launches, flags and tied rows' round run here.
         step: the step's state.
 
     Returns:
@@ -121,21 +103,9 @@ def end_backward(reducer: Reducer, step: StepState) -> bool:
     """
     num_early = step.num_launched  # launched from hooks, .grad detached
     sums = _reduce_rest(reducer, step)
-    late_grads = reducer.layout.restore(reducer.buckets, step, sums, num_early)
-    probe = reducer.probe
-    waiter = probe.waiter
-    if sums.any_late:
-        with probe.span("late_round"):
-            probe.late_round(True, reducer.num_steps)
-            reduce_late(reducer.buckets, late_grads, reducer.group, reducer.reduction.divide_factor, waiter)
-            probe.late_round(False, reducer.num_steps)
-    if reducer.sparse.slots:
-        probe.at("sparse gradients", reducer.num_steps)
-        reducer.sparse.reduce(reducer.group, reducer.reduction.divide_factor, sums.unused_everywhere, waiter)
-    if reducer.late_uses.slots:
-        probe.at("the tied parameters' rows", reducer.num_steps)
-        with probe.span("tied_rows"):
-            reducer.late_uses.reduce(reducer.group, reducer.reduction.divide_factor, waiter)
+    end = reducer.step_end(sums, reducer.layout.restore(reducer.buckets, step, sums, num_early))
+    for round_ in reducer.rounds:  # the late round, sparse gradients, tied rows ([Note: the late round], rounds.py)
+        round_.reduce(end)
     return sums.any_late
 
 
@@ -174,37 +144,47 @@ def _wait(reducer: Reducer, bucket: Bucket, step: StepState) -> None:
         raise_with_place(error, reducer.where(bucket))
 
 
-def reduce_late(
-    buckets: Sequence[Bucket],
-    late_grads: LateGrads,
-    group: dist.ProcessGroup,
-    divide_factor: float,
-    waiter: Optional[Waiter] = None,
-) -> None:
-    """Adds the mean of every rank's late gradients to the reduced ``.grad``.
+class LateRound:
+    """Gradients that arrived after their bucket left, reduced in one more pass over the buckets.
 
-    Args:
-        buckets: the reducer's buckets, in launch order.
-        late_grads: this rank's late gradients, by slot index.
-        group: the process group.
-        divide_factor: the divisor of the sum (the reduction's).
-        waiter: waits each all-reduce (the stall watchdog), or None: a plain wait.
+    [Note: the late round]
+    A parameter's hook may fire again after its bucket left (the graph changed
+    between steps: [Note: when is a parameter ready] in reducer.py). That
+    gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
+    it back), and the flags told every rank that some rank has one. So every
+    rank runs one more round, whatever it holds itself: the same collectives,
+    in bucket order, zeros where a rank has nothing late.
     """
-    for bucket in buckets:
-        extra = torch.zeros_like(bucket.grads)
-        pieces = bucket.views_of(extra)
-        for slot, piece in zip(bucket.slots, pieces, strict=True):
-            if slot.index in late_grads:
-                piece.copy_(late_grads[slot.index])
-        all_reduce(extra, group, waiter)
-        extra.div_(divide_factor)
-        for slot, piece in zip(bucket.slots, pieces, strict=True):
-            # A late gradient anywhere means the parameter was used there, so
-            # every rank now holds a .grad for it; None means unused
-            # everywhere, and nothing late can have arrived for it.
-            grad = slot.param.grad
-            if grad is not None:
-                local(grad).add_(piece)
+
+    def reduce(self, end: StepEnd) -> None:
+        """Adds the mean of every rank's late gradients to the reduced ``.grad``, if any rank had one."""
+        if not end.sums.any_late:
+            return
+        probe = end.probe
+        with probe.span("late_round"):
+            probe.late_round(True, end.step)
+            for bucket in end.buckets:
+                extra = torch.zeros_like(bucket.grads)
+                pieces = bucket.views_of(extra)
+                for slot, piece in zip(bucket.slots, pieces, strict=True):
+                    if slot.index in end.late_grads:
+                        piece.copy_(end.late_grads[slot.index])
+                all_reduce(extra, end.group, probe.watch)
+                extra.div_(end.divide_factor)
+                for slot, piece in zip(bucket.slots, pieces, strict=True):
+                    # A late gradient anywhere means the parameter was used there, so
+                    # every rank now holds a .grad for it; None means unused
+                    # everywhere, and nothing late can have arrived for it.
+                    grad = slot.param.grad
+                    if grad is not None:
+                        local(grad).add_(piece)
+            probe.late_round(False, end.step)
+
+    def shadow(self, end: StepEnd) -> None:
+        """Zeros for every bucket, if some training rank had a late gradient."""
+        if end.sums.any_late:
+            for bucket in end.buckets:
+                all_reduce(torch.zeros_like(bucket.grads), end.group, end.probe.watch)
 
 
 def take_over_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
