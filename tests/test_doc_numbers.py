@@ -37,9 +37,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Result files whose measured commit is not in the history, with why; their pages say so.
-COMMIT_NOT_IN_HISTORY = {
-    "observe": "d00bd2b was a branch commit that was rebased before it landed; the numbers need a new run",
-}
+COMMIT_NOT_IN_HISTORY: dict[str, str] = {}
 # Result files recorded from a tree with uncommitted changes under src/ (env.git.src_status), with what changed.
 RECORDED_FROM_UNCOMMITTED = {
     "watchdog": "7d04afb + the roll call, not yet committed (roll_call.py, watchdog.py, state.py)",
