@@ -24,7 +24,7 @@ from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
 from torchreplicate.reducer.switches import TrainingState
-from torchreplicate.torch_internals import compiled_autograd_enabled
+from torchreplicate.torch_internals import compiled_autograd_enabled, in_backward
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -102,6 +102,8 @@ def sync_before_forward(state: ReplicateState) -> None:
     buffer_source = 0
     if state.joining:  # inside a Join context ([Note: join] in join.py)
         buffer_source = training_join_round(state).source
+    if state.lifecycle.now is TrainingState.BACKWARD and not in_backward() and state.reducer is not None:
+        state.reducer.abandon_step()  # the last backward raised before its end ran: on every rank
     state.num_forwards += 1
     state.probe.at("forward", 0 if state.reducer is None else state.reducer.num_steps)
     plan = state.plan

@@ -376,6 +376,20 @@ class Reducer:
             self.step = StepState(len(self.slots), self.buckets)
             self.lifecycle.now = TrainingState.IDLE
 
+    def abandon_step(self) -> None:
+        """Ends a synchronised backward that raised before its end ran: waits for what it launched, starts clean.
+
+        Every rank raised alike (otherwise the others wait in their end of
+        backward and the watchdog names this rank), so the launched buckets'
+        collectives are matched; their results are dropped with the step.
+        """
+        step = self.step
+        for bucket in self.buckets[: step.num_launched]:
+            if step.in_flight[bucket.index] is not None:
+                self.reduction.wait(bucket, step)
+        self.step = StepState(len(self.slots), self.buckets)
+        self.lifecycle.now = TrainingState.IDLE
+
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
