@@ -105,19 +105,28 @@ def test_tied_one_use_left_out(pools):
     pools.run(2, train_tied, uses=uses)
 
 
-def checkpointed_root(rank: int, world_size: int) -> None:
+class ScaledGPT(TinyGPT):
+    """TinyGPT times a scalar input: reentrant checkpointing needs an input that requires grad."""
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(tokens) * scale
+
+
+def checkpointed_root(rank: int, world_size: int, reentrant: bool) -> None:
     """The whole root under activation checkpointing: its forward runs again inside the backward,
     where the tied uses must not be detached a second time; every step equals the reference."""
-    model = seeded(TinyGPT, 7 + rank)
-    reference = seeded(TinyGPT, 7)
+    model = seeded(ScaledGPT, 7 + rank)
+    reference = seeded(ScaledGPT, 7)
     replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
     reducer = replicate.state(model).reducer
     assert reducer is not None and [slot.name for slot in reducer.late_uses.slots] == ["wte.weight"]
+    scale = torch.ones((), requires_grad=True)
     for step in range(3):
         tokens = tokens_of(rank, step, low=rows_range(rank)[0], high=rows_range(rank)[1])
-        loss_of(torch.utils.checkpoint.checkpoint(model, tokens, use_reentrant=False), tokens).backward()
+        logits = torch.utils.checkpoint.checkpoint(model, tokens, scale, use_reentrant=reentrant)
+        loss_of(logits, tokens).backward()
         total = sum(
-            loss_of(reference(t), t)
+            loss_of(reference(t, scale), t)
             for r in range(world_size)
             for t in [tokens_of(r, step, low=rows_range(r)[0], high=rows_range(r)[1])]
         )
@@ -127,8 +136,9 @@ def checkpointed_root(rank: int, world_size: int) -> None:
     assert_replicas_identical(model, "after 3 checkpointed steps")
 
 
-def test_tied_whole_root_checkpointed(pools):
-    pools.run(2, checkpointed_root)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_tied_whole_root_checkpointed(pools, reentrant):
+    pools.run(2, checkpointed_root, reentrant)
 
 
 def accumulate_tied(rank: int, world_size: int) -> None:
