@@ -6,7 +6,7 @@ each step), a post-accumulate-grad hook per parameter, the step counter, and
 what it learns between steps (firing counts, launch order, bucket cap:
 tuning.py). How a slot is filled and a bucket reduced is the ``Reduction``'s
 job (reduction.py); where ``.grad`` lives is the ``GradLayout``'s
-(grad_layout.py); the collectives at the end of backward are step.py's,
+(bucket.py); the collectives at the end of backward are step.py's,
 which reads the reducer and changes only the step and ``.grad``. Every
 point of a step is reported to one ``Probe`` (probe.py).
 
@@ -55,6 +55,7 @@ from torchreplicate.errors import changed_since_plan, foreign_hook_error, raise_
 from torchreplicate.reducer import tuning
 from torchreplicate.reducer.bucket import (
     Bucket,
+    GradLayout,
     ParamSlot,
     ReducerView,
     layout_digest,
@@ -63,7 +64,6 @@ from torchreplicate.reducer.bucket import (
 from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
-from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
@@ -91,7 +91,7 @@ class Reducer:
         group: the process group to reduce over.
         bucket_cap_bytes: bucket size cap; None: tuned in the first step ([Note: tuning] in tuning.py).
         first_bucket_cap_bytes: cap of the first bucket.
-        layout: where ``.grad`` lives (grad_layout.py).
+        layout: where ``.grad`` lives (bucket.py).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
