@@ -86,10 +86,6 @@ class StepState:
         self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
         self.late = False  # a gradient arrived after its bucket was launched
 
-    def num_absorbed(self, bucket: Bucket) -> int:
-        """How many of ``bucket``'s slots hold their contribution in the absorbed form."""
-        return sum(map(self.absorbed.__getitem__, bucket.indices))  # C-level: once per launch
-
 
 def end_backward(reducer: Reducer, step: StepState) -> bool:
     """Completes the reduction of one synchronised backward (gradients off: the caller's ``no_grad``).
