@@ -6,7 +6,8 @@ the buffer broadcast ([Note: buffer sync] in buffers.py); inputs cast
 (mp_policy). After it: whether the next forward broadcasts buffers, outputs
 cast, and a hook on each output that queues the reducer's end-of-backward work. They
 move the module's ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a
-forward recomputed inside a backward stays ``BACKWARD``). Both hooks run at
+forward recomputed inside a backward stays ``BACKWARD``; the first forward
+outside one after a backward that raised ends that step, ``abandon_step``). Both hooks run at
 every forward, so they stay flat: bound methods registered directly, calling
 plain functions, with no wrapper layers between.
 """
