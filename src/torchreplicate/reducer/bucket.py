@@ -115,6 +115,8 @@ class Bucket:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
         self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
+        # - Per step: what the reduction launched, until waited for (None between steps)
+        self.work: Any = None
 
     @property
     def numel(self) -> int:

@@ -385,7 +385,7 @@ class Reducer:
         """
         step = self.step
         for bucket in self.buckets[: step.num_launched]:
-            if step.in_flight[bucket.index] is not None:
+            if bucket.work is not None:
                 self.reduction.wait(bucket, step)
         self.step = StepState(len(self.slots), self.buckets)
         self.lifecycle.now = TrainingState.IDLE

@@ -30,7 +30,7 @@ same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -62,7 +62,6 @@ class StepState:
         "absorbed",
         "held",
         "pending",
-        "in_flight",
         "num_launched",
         "late",
     )
@@ -82,7 +81,6 @@ class StepState:
         #   reducer.py). A slot not seen yet has learned 0, so it never counts
         #   down, and its bucket waits for the end of backward.
         self.pending = [len(bucket.slots) for bucket in buckets]
-        self.in_flight: list[Any] = [None] * len(buckets)  # what the reduction launched, until waited for
         self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
         self.late = False  # a gradient arrived after its bucket was launched
 
