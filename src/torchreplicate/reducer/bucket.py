@@ -115,7 +115,12 @@ class Bucket:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
         self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
-        # - Per step: what the reduction launched, until waited for (None between steps)
+        # - Per step. pending: slots still to reach their learned count before a
+        #   hook may launch the bucket ([Note: when is a parameter ready] in
+        #   reducer.py; reset by the reducer at each step's end). A slot not seen
+        #   yet has learned 0, so it never counts down, and its bucket waits for
+        #   the end of backward. work: what the reduction launched, until waited for.
+        self.pending = len(self.slots)
         self.work: Any = None
 
     @property

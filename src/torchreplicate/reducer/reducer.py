@@ -150,7 +150,7 @@ class Reducer:
         self.num_steps = learned.num_steps  # synchronised backwards completed
         self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress: replaced at the end of each synchronised backward
-        self.step = StepState(len(self.slots), self.buckets)
+        self.step = StepState(len(self.slots))  # each bucket's own per-step state: Bucket.pending, .work
         self._register_hooks()
         layout.take_over_grads(self.slots)
 
@@ -312,9 +312,9 @@ class Reducer:
                 raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
-            pending = step.pending
-            pending[index] -= 1
-            if pending[index] == 0:
+            bucket = slot.bucket
+            bucket.pending -= 1
+            if bucket.pending == 0:
                 self._launch_ready(step)
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
@@ -335,8 +335,7 @@ class Reducer:
         # Launch, in index order, every ready bucket but the last ([Note: one
         # collective sequence]).
         last = len(self.buckets) - 1
-        pending = step.pending
-        while step.num_launched < last and pending[step.num_launched] == 0:
+        while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
             bucket = self.buckets[step.num_launched]
             self.layout.detach(bucket, step, self.reduction)
             self.launch(bucket, step)
@@ -373,7 +372,7 @@ class Reducer:
                 raise
             raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
         finally:
-            self.step = StepState(len(self.slots), self.buckets)
+            self._new_step()
             self.lifecycle.now = TrainingState.IDLE
 
     def abandon_step(self) -> None:
@@ -387,7 +386,7 @@ class Reducer:
         for bucket in self.buckets[: step.num_launched]:
             if bucket.work is not None:
                 self.reduction.wait(bucket, step)
-        self.step = StepState(len(self.slots), self.buckets)
+        self._new_step()
         self.lifecycle.now = TrainingState.IDLE
 
     @torch.no_grad()
@@ -400,7 +399,13 @@ class Reducer:
             round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
-        self.step = StepState(len(self.slots), self.buckets)
+        self._new_step()
+
+    def _new_step(self) -> None:
+        # The one reset at a step's end: its StepState and each bucket's count.
+        self.step = StepState(len(self.slots))
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.slots)
 
     def _learn(self, step: StepState, end_ns: int) -> None:
         # After a synchronised step: the firing counts ([Note: when is a
