@@ -177,6 +177,43 @@ def test_staged_unfreezing(pools, world_size, options):
     assert len(set(pools.run(world_size, staged_unfreezing, options))) == 1
 
 
+class _Boom(torch.autograd.Function):
+    """Identity forward; its backward raises, midway through the model's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in backward")
+
+
+def raised_backward(rank: int, world_size: int, options: dict, replan: bool) -> str:
+    """A backward that raised on every rank (after the output layer's bucket left), then (with
+    ``replan``) a frozen layer, then normal training: every step equals the reference."""
+
+    def between(step: int, model: nn.Module, reference: nn.Module) -> None:
+        if step != 2:
+            return
+        handle = model.head.register_forward_hook(lambda module, args, output: _Boom.apply(output))
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            loss_of(model, rank, 50).backward()
+        handle.remove()
+        model.zero_grad(set_to_none=True)  # the partial gradients of the failed step
+        if replan:
+            for module in (model, reference):
+                module.trunk.requires_grad_(False)
+
+    return digest(train(rank, world_size, 5, between=between, options=options))
+
+
+@pytest.mark.parametrize("replan", [True, False], ids=["replan", "same-plan"])
+@pytest.mark.parametrize("options", [{}, dict(TINY, gradient_as_bucket_view=False)], ids=["default", "tiny-copy"])
+def test_backward_that_raised_then_training(pools, options, replan):
+    assert len(set(pools.run(2, raised_backward, options, replan))) == 1
+
+
 def surgery(rank: int, world_size: int, options: dict) -> str:
     def between(step: int, model: nn.Module, reference: nn.Module) -> None:
         if step == 2:  # a new head, initialised differently on every rank: rank 0's wins

@@ -14,6 +14,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from parity import assert_grads_match, assert_replicas_identical, same_on_every_rank, seeded, sgd_step
@@ -102,6 +103,42 @@ def test_tied_one_use_left_out(pools):
     # 2: no rank looks up (the rows round sends nothing); 3: no rank uses the head
     uses = [["both", "both"], ["lookup", "head"], ["head", "head"], ["lookup", "lookup"]]
     pools.run(2, train_tied, uses=uses)
+
+
+class ScaledGPT(TinyGPT):
+    """TinyGPT times a scalar input: reentrant checkpointing needs an input that requires grad."""
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(tokens) * scale
+
+
+def checkpointed_root(rank: int, world_size: int, reentrant: bool) -> None:
+    """The whole root under activation checkpointing: its forward runs again inside the backward,
+    where the tied uses must not be detached a second time; every step equals the reference."""
+    model = seeded(ScaledGPT, 7 + rank)
+    reference = seeded(ScaledGPT, 7)
+    replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    reducer = replicate.state(model).reducer
+    assert reducer is not None and [slot.name for slot in reducer.late_uses.slots] == ["wte.weight"]
+    scale = torch.ones((), requires_grad=True)
+    for step in range(3):
+        tokens = tokens_of(rank, step, low=rows_range(rank)[0], high=rows_range(rank)[1])
+        logits = torch.utils.checkpoint.checkpoint(model, tokens, scale, use_reentrant=reentrant)
+        loss_of(logits, tokens).backward()
+        total = sum(
+            loss_of(reference(t, scale), t)
+            for r in range(world_size)
+            for t in [tokens_of(r, step, low=rows_range(r)[0], high=rows_range(r)[1])]
+        )
+        (total / world_size).backward()
+        assert_grads_match(model, reference, f"rank {rank} step {step}")
+        sgd_step(model, reference, lr=0.1, skip_none=True)
+    assert_replicas_identical(model, "after 3 checkpointed steps")
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_tied_whole_root_checkpointed(pools, reentrant):
+    pools.run(2, checkpointed_root, reentrant)
 
 
 def accumulate_tied(rank: int, world_size: int) -> None:

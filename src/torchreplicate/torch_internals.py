@@ -228,6 +228,14 @@ def join_enabled(joinable: object) -> bool:
     return config is not None and bool(config.enable)
 
 
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward (a forward recomputed by a checkpoint, a hook).
+
+    ``torch._C._current_graph_task_id()`` is -1 outside one (torch >= 2.1), not a public API.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
 def compiled_autograd_enabled() -> bool:
     """Whether ``torch._dynamo.config.compiled_autograd`` is on (False while dynamo was never imported).
 

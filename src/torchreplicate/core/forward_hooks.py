@@ -6,7 +6,8 @@ the buffer broadcast ([Note: buffer sync] in buffers.py); inputs cast
 (mp_policy). After it: whether the next forward broadcasts buffers, outputs
 cast, and a hook on each output that queues the reducer's end-of-backward work. They
 move the module's ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a
-forward recomputed inside a backward stays ``BACKWARD``). Both hooks run at
+forward recomputed inside a backward stays ``BACKWARD``; the first forward
+outside one after a backward that raised ends that step, ``abandon_step``). Both hooks run at
 every forward, so they stay flat: bound methods registered directly, calling
 plain functions, with no wrapper layers between.
 """
@@ -24,7 +25,7 @@ from torchreplicate.core.join import training_join_round
 from torchreplicate.reducer.probe import labelled
 from torchreplicate.reducer.reduction import HookReduction, compiled_hook_error
 from torchreplicate.reducer.switches import TrainingState
-from torchreplicate.torch_internals import compiled_autograd_enabled
+from torchreplicate.torch_internals import compiled_autograd_enabled, in_backward
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -102,6 +103,8 @@ def sync_before_forward(state: ReplicateState) -> None:
     buffer_source = 0
     if state.joining:  # inside a Join context ([Note: join] in join.py)
         buffer_source = training_join_round(state).source
+    if state.lifecycle.now is TrainingState.BACKWARD and not in_backward() and state.reducer is not None:
+        state.reducer.abandon_step()  # the last backward raised before its end ran: on every rank
     state.num_forwards += 1
     state.probe.at("forward", 0 if state.reducer is None else state.reducer.num_steps)
     plan = state.plan

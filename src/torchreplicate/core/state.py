@@ -25,6 +25,7 @@ from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
 from torchreplicate.core.registry import registration_count
 from torchreplicate.core.tied import TiedUses, to_split
+from torchreplicate.reducer.bucket import grad_layout
 from torchreplicate.reducer.collectives import (
     WeakGroup,
     broadcast_coalesced,
@@ -34,7 +35,6 @@ from torchreplicate.reducer.collectives import (
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import check_mesh_apart, local
 from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.grad_layout import grad_layout
 from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction

@@ -44,9 +44,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate.reducer.bucket import ParamSlot
+from torchreplicate.reducer.bucket import GradLayout, ParamSlot
 from torchreplicate.reducer.collectives import Waiter, all_reduce
-from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.rounds import StepEnd
 
 

@@ -6,7 +6,7 @@ each step), a post-accumulate-grad hook per parameter, the step counter, and
 what it learns between steps (firing counts, launch order, bucket cap:
 tuning.py). How a slot is filled and a bucket reduced is the ``Reduction``'s
 job (reduction.py); where ``.grad`` lives is the ``GradLayout``'s
-(grad_layout.py); the collectives at the end of backward are step.py's,
+(bucket.py); the collectives at the end of backward are step.py's,
 which reads the reducer and changes only the step and ``.grad``. Every
 point of a step is reported to one ``Probe`` (probe.py).
 
@@ -55,6 +55,7 @@ from torchreplicate.errors import changed_since_plan, foreign_hook_error, raise_
 from torchreplicate.reducer import tuning
 from torchreplicate.reducer.bucket import (
     Bucket,
+    GradLayout,
     ParamSlot,
     ReducerView,
     layout_digest,
@@ -63,7 +64,6 @@ from torchreplicate.reducer.bucket import (
 from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
-from torchreplicate.reducer.grad_layout import GradLayout
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction
@@ -91,7 +91,7 @@ class Reducer:
         group: the process group to reduce over.
         bucket_cap_bytes: bucket size cap; None: tuned in the first step ([Note: tuning] in tuning.py).
         first_bucket_cap_bytes: cap of the first bucket.
-        layout: where ``.grad`` lives (grad_layout.py).
+        layout: where ``.grad`` lives (bucket.py).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
@@ -150,7 +150,7 @@ class Reducer:
         self.num_steps = learned.num_steps  # synchronised backwards completed
         self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress: replaced at the end of each synchronised backward
-        self.step = StepState(len(self.slots), self.buckets)
+        self.step = StepState(len(self.slots))  # each bucket's own per-step state: Bucket.pending, .work
         self._register_hooks()
         layout.take_over_grads(self.slots)
 
@@ -312,9 +312,9 @@ class Reducer:
                 raise changed_since_plan(slot, grad) from error
             raise
         if fired == slot.expected:
-            pending = step.pending
-            pending[index] -= 1
-            if pending[index] == 0:
+            bucket = slot.bucket
+            bucket.pending -= 1
+            if bucket.pending == 0:
                 self._launch_ready(step)
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
@@ -335,8 +335,7 @@ class Reducer:
         # Launch, in index order, every ready bucket but the last ([Note: one
         # collective sequence]).
         last = len(self.buckets) - 1
-        pending = step.pending
-        while step.num_launched < last and pending[step.num_launched] == 0:
+        while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
             bucket = self.buckets[step.num_launched]
             self.layout.detach(bucket, step, self.reduction)
             self.launch(bucket, step)
@@ -373,8 +372,22 @@ class Reducer:
                 raise
             raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
         finally:
-            self.step = StepState(len(self.slots), self.buckets)
+            self._new_step()
             self.lifecycle.now = TrainingState.IDLE
+
+    def abandon_step(self) -> None:
+        """Ends a synchronised backward that raised before its end ran: waits for what it launched, starts clean.
+
+        Every rank raised alike (otherwise the others wait in their end of
+        backward and the watchdog names this rank), so the launched buckets'
+        collectives are matched; their results are dropped with the step.
+        """
+        step = self.step
+        for bucket in self.buckets[: step.num_launched]:
+            if bucket.work is not None:
+                self.reduction.wait(bucket, step)
+        self._new_step()
+        self.lifecycle.now = TrainingState.IDLE
 
     @torch.no_grad()
     def shadow_step(self) -> None:
@@ -386,7 +399,13 @@ class Reducer:
             round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
-        self.step = StepState(len(self.slots), self.buckets)
+        self._new_step()
+
+    def _new_step(self) -> None:
+        # The one reset at a step's end: its StepState and each bucket's count.
+        self.step = StepState(len(self.slots))
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.slots)
 
     def _learn(self, step: StepState, end_ns: int) -> None:
         # After a synchronised step: the firing counts ([Note: when is a

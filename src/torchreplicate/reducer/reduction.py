@@ -59,7 +59,7 @@ class Reduction:
         """Just before launch: brings slots filled in place to the absorbed form."""
 
     def launch(self, bucket: Bucket, step: StepState) -> None:
-        """Starts reducing ``bucket``; leaves a handle in ``step.in_flight``."""
+        """Starts reducing ``bucket``; leaves a handle in ``bucket.work``."""
         raise NotImplementedError
 
     def wait(self, bucket: Bucket, step: StepState) -> None:
@@ -208,7 +208,7 @@ class AllReduce(Reduction):
         slot.view.add_(grad, alpha=1.0 / self.divide_factor)
 
     def finish_absorbing(self, bucket: Bucket, step: StepState) -> None:
-        done = step.num_absorbed(bucket)
+        done = sum(map(step.absorbed.__getitem__, bucket.indices))  # slots absorbed already; C-level, once per launch
         if done == len(bucket.slots):
             return
         scale = self.scales[bucket.index]
@@ -224,11 +224,11 @@ class AllReduce(Reduction):
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        step.in_flight[bucket.index] = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
+        bucket.work = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
 
     def wait(self, bucket: Bucket, step: StepState) -> None:
-        wait_for(step.in_flight[bucket.index], self._waiter)
-        step.in_flight[bucket.index] = None
+        wait_for(bucket.work, self._waiter)
+        bucket.work = None
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             bucket.grads.copy_(wire[: bucket.numel])
@@ -328,7 +328,7 @@ class HookReduction(Reduction):
 
     def launch(self, bucket: Bucket, step: StepState) -> None:
         if bucket.index > 0:
-            step.in_flight[bucket.index - 1].future.wait()  # [Note: hooks run one bucket at a time]
+            self._buckets[bucket.index - 1].work.future.wait()  # [Note: hooks run one bucket at a time]
         grad_bucket = GradBucket(  # complex as real: [Note: complex buckets and comm hooks]
             bucket.index,
             bucket.index == len(self._buckets) - 1,
@@ -344,10 +344,10 @@ class HookReduction(Reduction):
                 f"comm hook: must return a torch.futures.Future, but for bucket {bucket.index} "
                 f"returned {type(future).__name__}"
             )
-        step.in_flight[bucket.index] = _HookCall(future, grad_bucket)
+        bucket.work = _HookCall(future, grad_bucket)
 
     def wait(self, bucket: Bucket, step: StepState) -> None:
-        call, step.in_flight[bucket.index] = step.in_flight[bucket.index], None
+        call, bucket.work = bucket.work, None
         result = hook_result(call.future.wait(), call.grad_bucket)
         grads = real_parts(bucket.grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:

@@ -30,7 +30,7 @@ same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -47,11 +47,10 @@ if TYPE_CHECKING:
 
 
 class StepState:
-    """Everything one synchronised backward knows, per parameter and per bucket; replaced at its end.
+    """Everything one synchronised backward knows, per parameter and of its launches; replaced at its end.
 
     Args:
         num_params: number of reduced parameters.
-        buckets: the buckets, in launch order.
     """
 
     __slots__ = (
@@ -61,13 +60,11 @@ class StepState:
         "first_ready_ns",
         "absorbed",
         "held",
-        "pending",
-        "in_flight",
         "num_launched",
         "late",
     )
 
-    def __init__(self, num_params: int, buckets: Sequence[Bucket]) -> None:
+    def __init__(self, num_params: int) -> None:
         # - Per parameter
         self.fired = [0] * num_params  # accumulations into .grad seen
         self.grew = False  # some parameter fired more often than learned so far
@@ -77,18 +74,9 @@ class StepState:
         # the way in), so nothing is left to do before launch
         self.absorbed = [False] * num_params
         self.held: dict[int, torch.Tensor] = {}  # copy layout: .grad set aside while its bucket is in flight
-        # - Per bucket. pending: slots still to reach their learned count before
-        #   a hook may launch the bucket ([Note: when is a parameter ready] in
-        #   reducer.py). A slot not seen yet has learned 0, so it never counts
-        #   down, and its bucket waits for the end of backward.
-        self.pending = [len(bucket.slots) for bucket in buckets]
-        self.in_flight: list[Any] = [None] * len(buckets)  # what the reduction launched, until waited for
+        # - Launches
         self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
         self.late = False  # a gradient arrived after its bucket was launched
-
-    def num_absorbed(self, bucket: Bucket) -> int:
-        """How many of ``bucket``'s slots hold their contribution in the absorbed form."""
-        return sum(map(self.absorbed.__getitem__, bucket.indices))  # C-level: once per launch
 
 
 def end_backward(reducer: Reducer, step: StepState) -> bool:
