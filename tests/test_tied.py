@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import pickle
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -58,6 +58,18 @@ def rows_range(rank: int) -> tuple[int, int]:
     return (16 * rank, 16 * rank + 16)
 
 
+def own_rows_tokens(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens at ``step``, from its own range of rows (``rows_range``)."""
+    low, high = rows_range(rank)
+    return tokens_of(rank, step, low=low, high=high)
+
+
+def global_loss(step: int, world_size: int, call: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One process's loss on the global batch: the mean over ranks of ``loss_of(call(rank, tokens), tokens)``."""
+    total = sum(loss_of(call(r, t), t) for r in range(world_size) for t in [own_rows_tokens(r, step)])
+    return total / world_size
+
+
 def train_tied(rank: int, world_size: int, uses: Optional[list[list[str]]] = None, hook_late: bool = False) -> None:
     """Every step's gradients equal one process on the global batch; the tied bucket leaves early."""
     model = seeded(TinyGPT, 7 + rank)
@@ -70,15 +82,10 @@ def train_tied(rank: int, world_size: int, uses: Optional[list[list[str]]] = Non
     timeline.subscribe(model, records.append)
     for step in range(4):
         use = "both" if uses is None else uses[step][rank]
-        low, high = rows_range(rank)
-        tokens = tokens_of(rank, step, low=low, high=high)
+        tokens = own_rows_tokens(rank, step)
         loss_of(model(tokens, use), tokens).backward()
-        total = sum(
-            loss_of(reference(t, "both" if uses is None else uses[step][r]), t)
-            for r in range(world_size)
-            for t in [tokens_of(r, step, low=rows_range(r)[0], high=rows_range(r)[1])]
-        )
-        (total / world_size).backward()
+        step_uses = ["both"] * world_size if uses is None else uses[step]
+        global_loss(step, world_size, lambda r, t: reference(t, step_uses[r])).backward()
         assert_grads_match(model, reference, f"rank {rank} step {step}")
         sgd_step(model, reference, lr=0.1, skip_none=True)
     assert_replicas_identical(model, "after 4 steps")
@@ -122,15 +129,10 @@ def checkpointed_root(rank: int, world_size: int, reentrant: bool) -> None:
     assert reducer is not None and [slot.name for slot in reducer.late_uses.slots] == ["wte.weight"]
     scale = torch.ones((), requires_grad=True)
     for step in range(3):
-        tokens = tokens_of(rank, step, low=rows_range(rank)[0], high=rows_range(rank)[1])
+        tokens = own_rows_tokens(rank, step)
         logits = torch.utils.checkpoint.checkpoint(model, tokens, scale, use_reentrant=reentrant)
         loss_of(logits, tokens).backward()
-        total = sum(
-            loss_of(reference(t, scale), t)
-            for r in range(world_size)
-            for t in [tokens_of(r, step, low=rows_range(r)[0], high=rows_range(r)[1])]
-        )
-        (total / world_size).backward()
+        global_loss(step, world_size, lambda r, t: reference(t, scale)).backward()
         assert_grads_match(model, reference, f"rank {rank} step {step}")
         sgd_step(model, reference, lr=0.1, skip_none=True)
     assert_replicas_identical(model, "after 3 checkpointed steps")
