@@ -1,10 +1,11 @@
-"""Per-module state of a replicated module: set-up and re-planning.
+"""Per-module state of a replicated module: what ``replicate()`` keeps for it.
 
-``ReplicateState`` decides what is replicated (plan.py), checks it across
-ranks, broadcasts rank 0's values, builds the reducer, installs the forward
-hooks, and re-plans when what is replicated changes ([Note: re-planning] in
-plan.py). The forward hooks themselves are in forward_hooks.py, gradient
-reduction in reducer.py.
+``ReplicateState`` holds the module's options, its plan (plan.py), its
+reducer and its one ``TrainingState``, and installs the forward hooks. The
+plan-time work (set-up, the cross-rank checks and broadcasts, building the
+reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's; the
+forward hooks themselves are in forward_hooks.py, gradient reduction in
+reducer.py.
 """
 
 from __future__ import annotations
@@ -17,32 +18,22 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, lazy, nested
+from torchreplicate.core import forward_hooks, lazy, nested, setup
 from torchreplicate.core.buffers import BufferSync
 from torchreplicate.core.join import ReplicateJoinHook
 from torchreplicate.core.mixed_precision import MixedPrecision
-from torchreplicate.core.nested import class_name, is_fully_sharded
-from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
+from torchreplicate.core.nested import class_name
+from torchreplicate.core.plan import EMPTY_PLAN, Plan
 from torchreplicate.core.registry import registration_count
-from torchreplicate.core.tied import TiedUses, to_split
-from torchreplicate.reducer.bucket import grad_layout
-from torchreplicate.reducer.collectives import (
-    WeakGroup,
-    broadcast_coalesced,
-    is_transport_error,
-    verify_params_across_ranks,
-)
+from torchreplicate.core.tied import TiedUses
+from torchreplicate.reducer.collectives import WeakGroup
 from torchreplicate.reducer.comm_hooks import check_hook_options
-from torchreplicate.reducer.dtensors import check_mesh_apart, local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
-from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
-
-MiB = 1024 * 1024
 
 
 class ReplicateState:
@@ -256,28 +247,15 @@ class ReplicateState:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
         self._num_noted_changes += 1
 
-    # -- set-up and re-planning ----------------------------------------------
+    # -- set-up and re-planning (setup.py) ----------------------------------
 
     def init(self) -> None:
         """At ``replicate()``: plans, checks across ranks, broadcasts everything, builds the reducer."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "replicate(): torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group() first (torchrun or "
-                "torchreplicate.launch() set up its environment)"
-            )
-        world = dist.group.WORLD
-        assert world is not None, "initialised above"
-        self._group = self._given_group or WeakGroup(world)
+        self._group = setup.process_group(self._given_group)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
         self._handles += self.lazy.watch(self)  # planned as they materialise ([Note: lazy modules])
-        plan = self._make_plan()
-        # rank 0's random token, broadcast with everything: the watchdog's
-        # keys are fresh in every run (torchrun's store outlives restarts)
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
-        self._install_plan(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
+        setup.init(self)
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
@@ -288,74 +266,9 @@ class ReplicateState:
             num_composable_states(),
         )
 
-    def _make_plan(self) -> Plan:
-        self.planned_stamp = self.stamp()
-        module = self.module
-        nested.refuse_inside_fully_shard(module)
-        skipped = list(self.config.ignored_modules) + self.lazy.modules()
-        skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped, nested.nest_inner(self), ignored_names(module))
-
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
-        plan = self._make_plan()
-        if not plan.same_as(self.plan):
-            self._install_agreed(plan)
-            self.probe.replanned(0 if self.reducer is None else self.reducer.num_steps)
-
-    def _install_agreed(self, plan: Plan) -> None:
-        # A re-plan runs collectives that every rank must run at the same
-        # forward. If one rank's change is its own (a layer frozen on one
-        # rank only), the others are elsewhere: the watchdog's note says what
-        # changed here, so every rank's error names the parameters.
-        change = describe_change(self.plan, plan)
-        step = 0 if self.reducer is None else self.reducer.num_steps
-        self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
-        watch = self.probe.watch
-        try:
-            self._install_plan(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
-        except RuntimeError as error:
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
-
-    def _install_plan(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
-        # Checks the plan across ranks, broadcasts what is new to it from rank 0
-        # and builds its reducer, handing over what the previous one learned.
-        # At replicate(), `token` (broadcast too) names the watchdog's keys.
-        learned: Optional[Learned] = None
-        if self.reducer is not None:
-            learned = self.reducer.learned
-            self.reducer.remove_hooks()
-            self.reducer = None
-        if self.lifecycle.now is TrainingState.BACKWARD or self.lifecycle.now is TrainingState.ENDING:
-            self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
-        for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
-            check_mesh_apart(name, param, self.group)
-        self.plan = plan
-        if self.mixed is not None:
-            self.mixed.install(self.module, plan)
-        self.clock.param_ids = frozenset(id(p) for p in plan.params)
-        verify_params_across_ranks(
-            plan.candidate_names,
-            plan.candidates,
-            self.group,
-            self.collective_device(),
-            self.config.wire_options,
-            self.probe.watch,
-        )
-        if self.world_size > 1 and to_broadcast:
-            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.watch)
-        stall_timeout_s = self.config.stall_timeout_s
-        if token is not None and self.world_size > 1 and stall_timeout_s is not None:
-            watch = self.probe.watch = StallWatch(
-                self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}"
-            )
-            # released: a last note; at interpreter exit the watch's own hook says "exited" instead
-            weakref.finalize(self, watch.leave, "released its replica").atexit = False
-        if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
-            self.reducer = self.build_reducer(learned)
-        self.tied.install(self.module, self.reducer)
+        setup.replan_if_changed(self)
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
         """A reducer for the current plan and options, handed what the previous one ``learned`` (or None).
@@ -363,30 +276,8 @@ class ReplicateState:
         The state keeps the one it builds itself; the benchmark builds one at
         world size 1 (where ``replicate()`` builds none) to time its bookkeeping.
         """
-        reducer = Reducer(
-            self.plan.params,
-            self.plan.names,
-            self.group,
-            bucket_cap_bytes=None if self.config.bucket_cap_mb is None else int(self.config.bucket_cap_mb * MiB),
-            first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
-            layout=grad_layout(self.config.gradient_as_bucket_view),
-            reduction=self.reduction,
-            lifecycle=self.lifecycle,
-            sync=self.sync,
-            clock=self.clock,
-            probe=self.probe,
-            sparse=self.plan.sparse,
-            tied=to_split(self.module, self.plan, self.reduction, self.mixed is not None),
-            groups=self.plan.param_groups,
-            learned=learned,
-            fixed_layout=self.config.bucket_layout == "fixed",
-        )
-        return reducer
+        return setup.build_reducer(self, learned)
 
     def collective_device(self) -> torch.device:
         """Where this module's own small collectives run (the accelerator for NCCL)."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        for tensor in list(self.plan.candidates) + self.plan.buffer_values():
-            return local(tensor).device
-        return torch.device("cpu")
+        return setup.collective_device(self)

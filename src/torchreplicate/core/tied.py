@@ -26,10 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.core.plan import Plan
-from torchreplicate.reducer.dtensors import is_dtensor
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, Reduction
 from torchreplicate.reducer.switches import Lifecycle, TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled, parameters_of
 
@@ -43,23 +40,6 @@ def tied_params(root: nn.Module, params: tuple[nn.Parameter, ...]) -> dict[int, 
             if param is not None and id(param) in wanted:
                 holders.setdefault(id(param), []).append((module, name))
     return {key: found for key, found in holders.items() if len(found) > 1}
-
-
-def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> frozenset[int]:
-    """The tied parameters whose detached uses are reduced by rows, by identity.
-
-    None under mixed precision (its casts own ``_parameters`` in the forward),
-    a comm hook or a wire dtype (the hook or the cast sees each gradient whole,
-    in its bucket); never a sparse, DTensor or nested module's parameter.
-    """
-    if mixed or not isinstance(reduction, AllReduce) or reduction.reduce_dtype is not None:
-        return frozenset()
-    params = tuple(
-        p
-        for p, group in zip(plan.params, plan.param_groups or (0,) * len(plan.params), strict=True)
-        if group == 0 and id(p) not in plan.sparse and not is_dtensor(p)
-    )
-    return frozenset(tied_params(root, params))
 
 
 class TiedUses:
