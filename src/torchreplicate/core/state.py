@@ -1,26 +1,41 @@
-"""Per-module state of a replicated module: what ``replicate()`` keeps for it.
+"""Per-module state of a replicated module: what ``replicate()`` keeps for it, and its forward hooks.
 
 ``ReplicateState`` holds the module's options, its plan (plan.py), its
-reducer and its one ``TrainingState``, and installs the forward hooks. The
-plan-time work (set-up, the cross-rank checks and broadcasts, building the
-reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's; the
-forward hooks themselves are in forward_hooks.py, gradient reduction in
-reducer.py.
+reducer and its one ``TrainingState``. As FSDP2's ``FSDPState`` does, it
+owns the root's hooks (before and after each forward, and on the outputs)
+and holds the handles of the others ``replicate()`` installs on modules
+(lazy modules'; tied holders' through its ``TiedUses``); the parameters'
+gradient hooks are its reducer's.
+The plan-time work (set-up, the cross-rank checks and broadcasts, building
+the reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's;
+gradient reduction is reducer.py's.
+
+Before each forward with gradients enabled: the join round (inside a Join),
+the watchdog's mark, the re-plan check and the buffer broadcast ([Note:
+buffer sync] in buffers.py); inputs cast (mp_policy). After it: whether the
+next forward broadcasts buffers, outputs cast, and a hook on each output
+that queues the reducer's end-of-backward work. They move the module's
+``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a forward
+recomputed inside a backward stays ``BACKWARD``; the first forward outside
+one after a backward that raised ends that step, ``abandon_step``). Both
+hooks run at every forward, so they stay flat: the state's bound methods,
+registered directly, with no wrapper layers between.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, lazy, nested, setup
-from torchreplicate.core.buffers import BufferSync
-from torchreplicate.core.join import ReplicateJoinHook
+from torchreplicate.core import lazy, nested, setup
+from torchreplicate.core.buffers import BufferSync, broadcast_buffers
+from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan
@@ -29,11 +44,17 @@ from torchreplicate.core.tied import TiedUses
 from torchreplicate.reducer.collectives import WeakGroup
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.probe import Probe, StepEvents
+from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, compiled_hook_error
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
-from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
+from torchreplicate.torch_internals import (
+    compiled_autograd_enabled,
+    in_backward,
+    join_enabled,
+    num_composable_states,
+    num_in_backward_optimizer_params,
+)
 
 
 class ReplicateState:
@@ -56,8 +77,8 @@ class ReplicateState:
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         # - Lifecycle: the module's one TrainingState, shared with every reducer
-        #   it builds (they move it through a synchronised backward); the
-        #   forward hooks, the tied holders and Join read it. Two conditions are
+        #   it builds (they move it through a synchronised backward); this
+        #   state's forward hooks, the tied holders and Join read it. Two conditions are
         #   torch's to decide and are read from torch: an enabled Join
         #   (`joining`) and compiled autograd ([Note: compiled autograd]).
         self.lifecycle = Lifecycle()
@@ -79,14 +100,19 @@ class ReplicateState:
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
         self.probe = Probe()
-        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
+        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by _pre_forward)
         self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
         # the hook torch's Join took from model.join_hook() (it holds the
         # divisor rule), until every rank joined; None outside a Join ([Note: join])
         self.join_hook: Optional[ReplicateJoinHook] = None
         self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
-        # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
-        self._handles = forward_hooks.ForwardHooks(self).install(module)
+        # - Hooks. The module's hook dicts hold this state's bound methods; the
+        #   state holds the module weakly and only the handles, so no
+        #   reference cycle keeps a discarded model's state (and its watchdog) alive.
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),  # first of all
+            module.register_forward_hook(self._post_forward),
+        ]
 
     # -- public --------------------------------------------------------------
 
@@ -185,14 +211,10 @@ class ReplicateState:
             self.reducer.remove_hooks()
             self.reducer = None
 
-    def without_own_hooks(self, attributes: dict[str, Any]) -> dict[str, Any]:
-        """A shallow copy of the module's ``__dict__`` without the hooks ``replicate()`` installed.
-
-        What a deep copy or a pickle of the module holds (``ReplicateModule.__reduce_ex__``).
-        """
-        copied = forward_hooks.without_hooks(attributes, self._handles)
-        copied.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
-        return copied
+    @property
+    def hook_handles(self) -> tuple[RemovableHandle, ...]:
+        """The handles of the hooks ``replicate()`` installed on modules (the root's forward, lazy modules)."""
+        return tuple(self._handles)
 
     @property
     def training_state(self) -> TrainingState:
@@ -281,3 +303,88 @@ class ReplicateState:
     def collective_device(self) -> torch.device:
         """Where this module's own small collectives run (the accelerator for NCCL)."""
         return setup.collective_device(self)
+
+    # -- the forward hooks ----------------------------------------------------
+
+    @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
+    @labelled("pre_forward")
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        # Before every forward of the root; returns cast inputs, or None to keep them.
+        if torch.is_grad_enabled() and not self.nested:
+            self._sync_before_forward()
+        if self.mixed is None or self.nested:
+            return None
+        cast = self.mixed.cast_inputs_of((args, kwargs))
+        return None if cast is None else (cast[0], cast[1])
+
+    def _sync_before_forward(self) -> None:
+        # What every rank does together before a forward with gradients
+        # enabled: the join round, the watchdog's mark, the re-plan check and
+        # the buffer broadcast. Without gradients (or nested): nothing, no
+        # collective, so one rank may evaluate alone ([Note: re-planning]).
+        if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
+            raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
+        buffers = self.buffer_sync.wanted  # [Note: buffer sync] in buffers.py
+        buffer_source = 0
+        if self.joining:  # inside a Join context ([Note: join] in join.py)
+            buffer_source = training_join_round(self).source
+        lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.BACKWARD and not in_backward() and self.reducer is not None:
+            self.reducer.abandon_step()  # the last backward raised before its end ran: on every rank
+        self.num_forwards += 1
+        self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
+        plan = self.plan
+        if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
+            self.replan_if_changed()
+        if buffers:
+            broadcast_buffers(self, buffer_source)
+        now = lifecycle.now
+        if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
+            lifecycle.now = TrainingState.FORWARD
+            self.tied.begin(self.reducer, self.sync.on)
+
+    @torch.compiler.disable  # the outputs get real (eager) hooks
+    @labelled("post_forward")
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # After every forward of the root; returns the (cast) output.
+        lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.FORWARD:
+            lifecycle.now = TrainingState.IDLE
+        elif lifecycle.now is TrainingState.NESTED:
+            return output  # nested replicate: the enclosing module does this work
+        if torch.is_grad_enabled():
+            self.buffer_sync.note_forward(self.sync.on)
+        if self.mixed is not None:
+            output = self.mixed.cast_output(output)
+        reducer = self.reducer
+        if reducer is None or not torch.is_grad_enabled():
+            return output
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(_OutputGradHook(reducer))
+        return output
+
+
+class _OutputGradHook:
+    # Queues the reducer's end-of-backward work from the outermost backward
+    # pass ([Note: end of backward] in reducer/step.py).
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
+            self.reducer.queue_finalize()
+        return grad  # not None: traced under compiled autograd, the return value is the gradient
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
