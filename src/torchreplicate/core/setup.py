@@ -11,8 +11,12 @@ Each mode a forward or a backward follows is decided there, once per plan,
 into the objects it changes, so the step never asks again: mixed precision's
 casts are installed on the plan's parameters (mixed_precision.py); the tied
 parameters' split (``to_split``) gives the reducer its tied slots and the
-state a ``TiedUses`` that hooks their holders, or neither; the reduction
-(all-reduce, or a registered comm hook) is the reducer's.
+state a ``TiedUses`` that hooks their holders, or neither (``state.tied``
+None); ``state.buffers_to_sync`` says whether the plan has buffers to
+broadcast before forwards (and other ranks to give them to); the reduction
+(all-reduce, or a registered comm hook) is the reducer's. A plan with no
+tied parameters and no buffers runs no code of tied.py, buffers.py, plan.py
+or registry.py in its forwards.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import nn
 from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, describe_change, ignored_names, make_plan, new_tensors
-from torchreplicate.core.tied import tied_params
+from torchreplicate.core.tied import TiedUses, tied_params
 from torchreplicate.reducer.bucket import grad_layout
 from torchreplicate.reducer.collectives import (
     WeakGroup,
@@ -118,6 +122,9 @@ def install_plan(
     ``token`` (broadcast too) names the watchdog's keys and starts it.
     """
     learned: Optional[Learned] = None
+    if state.tied is not None:
+        state.tied.remove()
+        state.tied = None
     if state.reducer is not None:
         learned = state.reducer.learned
         state.reducer.remove_hooks()
@@ -150,7 +157,18 @@ def install_plan(
         weakref.finalize(state, watch.leave, "released its replica").atexit = False
     if plan.params and (world_size > 1 or isinstance(state.reduction, HookReduction)):
         state.reducer = build_reducer(state, learned)
-    state.tied.install(state.module, state.reducer)
+    state.tied = tied_uses(state)
+    state.buffers_to_sync = bool(plan.buffers) and world_size > 1
+
+
+def tied_uses(state: ReplicateState) -> Optional[TiedUses]:
+    """The holder hooks of the tied parameters the state's reducer splits, installed; None where it splits none."""
+    reducer = state.reducer
+    if reducer is None or not reducer.late_uses.slots:
+        return None
+    tied = TiedUses(state.lifecycle)
+    tied.install(state.module, reducer)
+    return tied
 
 
 def build_reducer(state: ReplicateState, learned: Optional[Learned]) -> Reducer:

@@ -39,7 +39,7 @@ from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan
-from torchreplicate.core.registry import registration_count
+from torchreplicate.core.registry import registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.reducer.collectives import WeakGroup
 from torchreplicate.reducer.comm_hooks import check_hook_options
@@ -78,9 +78,9 @@ class ReplicateState:
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         # - Lifecycle: the module's one TrainingState, shared with every reducer
         #   it builds (they move it through a synchronised backward); this
-        #   state's forward hooks, the tied holders and Join read it. Two conditions are
-        #   torch's to decide and are read from torch: an enabled Join
-        #   (`joining`) and compiled autograd ([Note: compiled autograd]).
+        #   state's forward hooks, the tied holders and Join read it. Two
+        #   conditions are torch's to decide and are read from torch: an
+        #   enabled Join (`joining`) and compiled autograd ([Note: compiled autograd]).
         self.lifecycle = Lifecycle()
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
@@ -93,9 +93,12 @@ class ReplicateState:
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
-        self.tied = TiedUses(self.lifecycle)  # tied parameters' first use detached ([Note: tied parameters]), per plan
+        # tied parameters' first use detached ([Note: tied parameters]): a plan's,
+        # None where its reducer splits none (setup.py); a comm hook drops it
+        self.tied: Optional[TiedUses] = None
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
+        self.buffers_to_sync = False  # the plan has buffers and other ranks to broadcast them to (setup.py)
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
@@ -186,6 +189,12 @@ class ReplicateState:
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
+        self._drop_tied()  # the hook sees each parameter's whole gradient in its bucket (setup.to_split)
+
+    def _drop_tied(self) -> None:
+        if self.tied is not None:
+            self.tied.remove()
+            self.tied = None
 
     @property
     def events(self) -> Optional[StepEvents]:
@@ -206,7 +215,7 @@ class ReplicateState:
         self._handles.clear()
         if self.mixed is not None:
             self.mixed.remove()
-        self.tied.remove()
+        self._drop_tied()
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -282,7 +291,7 @@ class ReplicateState:
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
         return (
-            registration_count(),
+            registrations.count,
             self._num_noted_changes,
             num_in_backward_optimizer_params(),
             num_composable_states(),
@@ -324,7 +333,6 @@ class ReplicateState:
         # collective, so one rank may evaluate alone ([Note: re-planning]).
         if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
-        buffers = self.buffer_sync.wanted  # [Note: buffer sync] in buffers.py
         buffer_source = 0
         if self.joining:  # inside a Join context ([Note: join] in join.py)
             buffer_source = training_join_round(self).source
@@ -336,12 +344,13 @@ class ReplicateState:
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             self.replan_if_changed()
-        if buffers:
+        if self.buffers_to_sync and self.buffer_sync.wanted:  # [Note: buffer sync] in buffers.py
             broadcast_buffers(self, buffer_source)
         now = lifecycle.now
         if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
             lifecycle.now = TrainingState.FORWARD
-            self.tied.begin(self.reducer, self.sync.on)
+            if self.tied is not None:
+                self.tied.begin(self.reducer, self.sync.on)
 
     @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")
@@ -353,7 +362,7 @@ class ReplicateState:
         elif lifecycle.now is TrainingState.NESTED:
             return output  # nested replicate: the enclosing module does this work
         if torch.is_grad_enabled():
-            self.buffer_sync.note_forward(self.sync.on)
+            self.buffer_sync.due = self.sync.on  # the next one broadcasts only if this backward syncs
         if self.mixed is not None:
             output = self.mixed.cast_output(output)
         reducer = self.reducer

@@ -43,7 +43,10 @@ def tied_params(root: nn.Module, params: tuple[nn.Parameter, ...]) -> dict[int, 
 
 
 class TiedUses:
-    """The hooks of one replicated module's tied parameters; re-installed at every re-plan.
+    """The hooks of one replicated module's tied parameters, for one plan whose reducer splits some.
+
+    A plan without a tied split has none (``ReplicateState.tied`` is None,
+    setup.py decides): its forwards run nothing of this file.
 
     Args:
         lifecycle: the module's; holders detach only while it is ``FORWARD``.
@@ -59,11 +62,8 @@ class TiedUses:
         # detached copy, and the copy
         self.detached: dict[int, tuple[nn.Module, torch.Tensor]] = {}
 
-    def install(self, root: nn.Module, reducer: Optional[Reducer]) -> None:
-        """Hooks every module holding one of ``reducer``'s tied parameters."""
-        self.remove()
-        if reducer is None or not reducer.late_uses.slots:
-            return
+    def install(self, root: nn.Module, reducer: Reducer) -> None:
+        """Hooks every module holding one of ``reducer``'s tied parameters (it has some: setup.py)."""
         index_of = {id(slot.param): slot.index for slot in reducer.late_uses.slots}
         holders = tied_params(root, tuple(slot.param for slot in reducer.late_uses.slots))
         by_module: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = {}
@@ -88,7 +88,7 @@ class TiedUses:
     def begin(self, reducer: Optional[Reducer], syncs: bool) -> None:
         """The root's forward starts (``FORWARD``); ``syncs``: its backward will be synchronised."""
         self.detached.clear()
-        # a comm hook registered since the plan leaves the reducer no tied slots
+        # the reducer's first step may drop the split where it does not pay (schedule.py): no tied slots left
         detaches = self._handles and syncs and reducer is not None and reducer.late_uses.slots
         self.reducer = reducer if detaches and not compiled_autograd_enabled() else None
 
