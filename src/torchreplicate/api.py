@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.core.nested import class_name, is_fully_sharded
@@ -135,7 +136,8 @@ class ReplicateModule(DDPSurface):
         plain = _original_class(type(self))
         attributes = reduced[2]
         if isinstance(attributes, dict):
-            attributes = state.without_own_hooks(attributes)
+            attributes = _without_hooks(attributes, state.hook_handles)
+            attributes.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
         # Not copyreg.__newobj__: pickle insists that its class be type(self).
         return (plain.__new__, (plain,), attributes, *reduced[3:])
 
@@ -153,6 +155,24 @@ def _replicated_class(cls: Any) -> type:
 
 
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__(2) returns; not in typeshed
+
+
+def _without_hooks(attributes: dict[str, Any], handles: tuple[RemovableHandle, ...]) -> dict[str, Any]:
+    # A shallow copy of a module's __dict__ whose hook dicts lack the hooks of
+    # `handles`: what a deep copy or a pickle of a replicated module holds.
+    drop: dict[int, set[Any]] = {}  # id(hook dict) -> our keys in it
+    for handle in handles:
+        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+            hooks = ref()
+            if hooks is not None:
+                drop.setdefault(id(hooks), set()).add(handle.id)
+    copied = dict(attributes)
+    for name, value in attributes.items():
+        if isinstance(value, dict) and id(value) in drop:
+            kept = type(value)()
+            kept.update((k, v) for k, v in value.items() if k not in drop[id(value)])
+            copied[name] = kept
+    return copied
 
 
 def _original_class(cls: type) -> type:

@@ -66,12 +66,13 @@ class BufferSync:
 
     @property
     def wanted(self) -> bool:
-        """Whether the next forward with gradients broadcasts (when there are buffers and other ranks)."""
-        return self.before_forward and self.due
+        """Whether the next forward with gradients broadcasts (when there are buffers and other ranks).
 
-    def note_forward(self, gradient_sync: bool) -> None:
-        """After a forward with gradients: the next one broadcasts only if this one's backward syncs."""
-        self.due = gradient_sync
+        The forward hook writes ``due`` after each forward with gradients (the
+        next one broadcasts only if this one's backward syncs), and reads this
+        only where the plan has buffers and other ranks (``ReplicateState.buffers_to_sync``).
+        """
+        return self.before_forward and self.due
 
 
 def broadcast_buffers(state: ReplicateState, source: int) -> None:

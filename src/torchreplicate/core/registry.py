@@ -48,7 +48,8 @@ class _RegistrationCounter:
             ]
 
 
-_REGISTRATIONS = _RegistrationCounter()
+# read as ``registrations.count``: a plain attribute, read at every forward ([Note: re-planning])
+registrations = _RegistrationCounter()
 
 
 class _OptimizerSteps:
@@ -85,11 +86,6 @@ class _OptimizerSteps:
 _OPTIMIZER_STEPS = _OptimizerSteps()
 
 
-def registration_count() -> int:
-    """Parameter, buffer and submodule registrations on any module since the first ``replicate()``."""
-    return _REGISTRATIONS.count
-
-
 def register_state(module: object, state: ReplicateState) -> None:
     """Records ``state`` for ``module``; refuses a module that already has one."""
     if module in _STATES:
@@ -97,7 +93,7 @@ def register_state(module: object, state: ReplicateState) -> None:
             f"replicate() was already applied to this {type(module).__name__}: "
             "applying it twice is not supported; call it once on the root module"
         )
-    _REGISTRATIONS.install()
+    registrations.install()
     _OPTIMIZER_STEPS.install()
     _STATES[module] = state
 

@@ -1,48 +1,60 @@
-"""Per-module state of a replicated module: set-up and re-planning.
+"""Per-module state of a replicated module: what ``replicate()`` keeps for it, and its forward hooks.
 
-``ReplicateState`` decides what is replicated (plan.py), checks it across
-ranks, broadcasts rank 0's values, builds the reducer, installs the forward
-hooks, and re-plans when what is replicated changes ([Note: re-planning] in
-plan.py). The forward hooks themselves are in forward_hooks.py, gradient
-reduction in reducer.py.
+``ReplicateState`` holds the module's options, its plan (plan.py), its
+reducer and its one ``TrainingState``. As FSDP2's ``FSDPState`` does, it
+owns the root's hooks (before and after each forward, and on the outputs)
+and holds the handles of the others ``replicate()`` installs on modules
+(lazy modules'; tied holders' through its ``TiedUses``); the parameters'
+gradient hooks are its reducer's.
+The plan-time work (set-up, the cross-rank checks and broadcasts, building
+the reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's;
+gradient reduction is reducer.py's.
+
+Before each forward with gradients enabled: the join round (inside a Join),
+the watchdog's mark, the re-plan check and the buffer broadcast ([Note:
+buffer sync] in buffers.py); inputs cast (mp_policy). After it: whether the
+next forward broadcasts buffers, outputs cast, and a hook on each output
+that queues the reducer's end-of-backward work. They move the module's
+``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a forward
+recomputed inside a backward stays ``BACKWARD``; the first forward outside
+one after a backward that raised ends that step, ``abandon_step``). Both
+hooks run at every forward, so they stay flat: the state's bound methods,
+registered directly, with no wrapper layers between.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.core import forward_hooks, lazy, nested
-from torchreplicate.core.buffers import BufferSync
-from torchreplicate.core.join import ReplicateJoinHook
+from torchreplicate.core import lazy, nested, setup
+from torchreplicate.core.buffers import BufferSync, broadcast_buffers
+from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
-from torchreplicate.core.nested import class_name, is_fully_sharded
-from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, ignored_names, make_plan, new_tensors
-from torchreplicate.core.registry import registration_count
-from torchreplicate.core.tied import TiedUses, to_split
-from torchreplicate.reducer.bucket import grad_layout
-from torchreplicate.reducer.collectives import (
-    WeakGroup,
-    broadcast_coalesced,
-    is_transport_error,
-    verify_params_across_ranks,
-)
+from torchreplicate.core.nested import class_name
+from torchreplicate.core.plan import EMPTY_PLAN, Plan
+from torchreplicate.core.registry import registrations
+from torchreplicate.core.tied import TiedUses
+from torchreplicate.reducer.collectives import WeakGroup
 from torchreplicate.reducer.comm_hooks import check_hook_options
-from torchreplicate.reducer.dtensors import check_mesh_apart, local
 from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.probe import Probe, StepEvents
+from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, compiled_hook_error
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
-from torchreplicate.reducer.watchdog import StallWatch
-from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params
-
-MiB = 1024 * 1024
+from torchreplicate.torch_internals import (
+    compiled_autograd_enabled,
+    in_backward,
+    join_enabled,
+    num_composable_states,
+    num_in_backward_optimizer_params,
+)
 
 
 class ReplicateState:
@@ -65,10 +77,10 @@ class ReplicateState:
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         # - Lifecycle: the module's one TrainingState, shared with every reducer
-        #   it builds (they move it through a synchronised backward); the
-        #   forward hooks, the tied holders and Join read it. Two conditions are
-        #   torch's to decide and are read from torch: an enabled Join
-        #   (`joining`) and compiled autograd ([Note: compiled autograd]).
+        #   it builds (they move it through a synchronised backward); this
+        #   state's forward hooks, the tied holders and Join read it. Two
+        #   conditions are torch's to decide and are read from torch: an
+        #   enabled Join (`joining`) and compiled autograd ([Note: compiled autograd]).
         self.lifecycle = Lifecycle()
         # - What is replicated, and the stamp it was planned at ([Note: re-planning])
         self.plan: Plan = EMPTY_PLAN
@@ -81,21 +93,29 @@ class ReplicateState:
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
-        self.tied = TiedUses(self.lifecycle)  # tied parameters' first use detached ([Note: tied parameters]), per plan
+        # tied parameters' first use detached ([Note: tied parameters]): a plan's,
+        # None where its reducer splits none (setup.py); a comm hook drops it
+        self.tied: Optional[TiedUses] = None
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
+        self.buffers_to_sync = False  # the plan has buffers and other ranks to broadcast them to (setup.py)
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
         self.probe = Probe()
-        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by forward_hooks.py)
+        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by _pre_forward)
         self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
         # the hook torch's Join took from model.join_hook() (it holds the
         # divisor rule), until every rank joined; None outside a Join ([Note: join])
         self.join_hook: Optional[ReplicateJoinHook] = None
         self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
-        # the forward hooks (forward_hooks.py); they hold this state, it holds their handles
-        self._handles = forward_hooks.ForwardHooks(self).install(module)
+        # - Hooks. The module's hook dicts hold this state's bound methods; the
+        #   state holds the module weakly and only the handles, so no
+        #   reference cycle keeps a discarded model's state (and its watchdog) alive.
+        self._handles: list[RemovableHandle] = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),  # first of all
+            module.register_forward_hook(self._post_forward),
+        ]
 
     # -- public --------------------------------------------------------------
 
@@ -169,6 +189,12 @@ class ReplicateState:
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
+        self._drop_tied()  # the hook sees each parameter's whole gradient in its bucket (setup.to_split)
+
+    def _drop_tied(self) -> None:
+        if self.tied is not None:
+            self.tied.remove()
+            self.tied = None
 
     @property
     def events(self) -> Optional[StepEvents]:
@@ -189,19 +215,15 @@ class ReplicateState:
         self._handles.clear()
         if self.mixed is not None:
             self.mixed.remove()
-        self.tied.remove()
+        self._drop_tied()
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
 
-    def without_own_hooks(self, attributes: dict[str, Any]) -> dict[str, Any]:
-        """A shallow copy of the module's ``__dict__`` without the hooks ``replicate()`` installed.
-
-        What a deep copy or a pickle of the module holds (``ReplicateModule.__reduce_ex__``).
-        """
-        copied = forward_hooks.without_hooks(attributes, self._handles)
-        copied.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
-        return copied
+    @property
+    def hook_handles(self) -> tuple[RemovableHandle, ...]:
+        """The handles of the hooks ``replicate()`` installed on modules (the root's forward, lazy modules)."""
+        return tuple(self._handles)
 
     @property
     def training_state(self) -> TrainingState:
@@ -256,106 +278,28 @@ class ReplicateState:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
         self._num_noted_changes += 1
 
-    # -- set-up and re-planning ----------------------------------------------
+    # -- set-up and re-planning (setup.py) ----------------------------------
 
     def init(self) -> None:
         """At ``replicate()``: plans, checks across ranks, broadcasts everything, builds the reducer."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "replicate(): torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group() first (torchrun or "
-                "torchreplicate.launch() set up its environment)"
-            )
-        world = dist.group.WORLD
-        assert world is not None, "initialised above"
-        self._group = self._given_group or WeakGroup(world)
+        self._group = setup.process_group(self._given_group)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
         self._handles += self.lazy.watch(self)  # planned as they materialise ([Note: lazy modules])
-        plan = self._make_plan()
-        # rank 0's random token, broadcast with everything: the watchdog's
-        # keys are fresh in every run (torchrun's store outlives restarts)
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=self.collective_device())
-        buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
-        self._install_plan(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
+        setup.init(self)
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
         return (
-            registration_count(),
+            registrations.count,
             self._num_noted_changes,
             num_in_backward_optimizer_params(),
             num_composable_states(),
         )
 
-    def _make_plan(self) -> Plan:
-        self.planned_stamp = self.stamp()
-        module = self.module
-        nested.refuse_inside_fully_shard(module)
-        skipped = list(self.config.ignored_modules) + self.lazy.modules()
-        skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
-        return make_plan(module, skipped, nested.nest_inner(self), ignored_names(module))
-
     def replan_if_changed(self) -> None:
         """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
-        plan = self._make_plan()
-        if not plan.same_as(self.plan):
-            self._install_agreed(plan)
-            self.probe.replanned(0 if self.reducer is None else self.reducer.num_steps)
-
-    def _install_agreed(self, plan: Plan) -> None:
-        # A re-plan runs collectives that every rank must run at the same
-        # forward. If one rank's change is its own (a layer frozen on one
-        # rank only), the others are elsewhere: the watchdog's note says what
-        # changed here, so every rank's error names the parameters.
-        change = describe_change(self.plan, plan)
-        step = 0 if self.reducer is None else self.reducer.num_steps
-        self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
-        watch = self.probe.watch
-        try:
-            self._install_plan(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
-        except RuntimeError as error:
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
-
-    def _install_plan(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
-        # Checks the plan across ranks, broadcasts what is new to it from rank 0
-        # and builds its reducer, handing over what the previous one learned.
-        # At replicate(), `token` (broadcast too) names the watchdog's keys.
-        learned: Optional[Learned] = None
-        if self.reducer is not None:
-            learned = self.reducer.learned
-            self.reducer.remove_hooks()
-            self.reducer = None
-        if self.lifecycle.now is TrainingState.BACKWARD or self.lifecycle.now is TrainingState.ENDING:
-            self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
-        for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
-            check_mesh_apart(name, param, self.group)
-        self.plan = plan
-        if self.mixed is not None:
-            self.mixed.install(self.module, plan)
-        self.clock.param_ids = frozenset(id(p) for p in plan.params)
-        verify_params_across_ranks(
-            plan.candidate_names,
-            plan.candidates,
-            self.group,
-            self.collective_device(),
-            self.config.wire_options,
-            self.probe.watch,
-        )
-        if self.world_size > 1 and to_broadcast:
-            broadcast_coalesced(to_broadcast, self.group, waiter=self.probe.watch)
-        stall_timeout_s = self.config.stall_timeout_s
-        if token is not None and self.world_size > 1 and stall_timeout_s is not None:
-            watch = self.probe.watch = StallWatch(
-                self.group, stall_timeout_s, key=f"{self.group.group_name}/{int(token)}"
-            )
-            # released: a last note; at interpreter exit the watch's own hook says "exited" instead
-            weakref.finalize(self, watch.leave, "released its replica").atexit = False
-        if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
-            self.reducer = self.build_reducer(learned)
-        self.tied.install(self.module, self.reducer)
+        setup.replan_if_changed(self)
 
     def build_reducer(self, learned: Optional[Learned]) -> Reducer:
         """A reducer for the current plan and options, handed what the previous one ``learned`` (or None).
@@ -363,30 +307,93 @@ class ReplicateState:
         The state keeps the one it builds itself; the benchmark builds one at
         world size 1 (where ``replicate()`` builds none) to time its bookkeeping.
         """
-        reducer = Reducer(
-            self.plan.params,
-            self.plan.names,
-            self.group,
-            bucket_cap_bytes=None if self.config.bucket_cap_mb is None else int(self.config.bucket_cap_mb * MiB),
-            first_bucket_cap_bytes=int(self.config.first_bucket_cap_mb * MiB),
-            layout=grad_layout(self.config.gradient_as_bucket_view),
-            reduction=self.reduction,
-            lifecycle=self.lifecycle,
-            sync=self.sync,
-            clock=self.clock,
-            probe=self.probe,
-            sparse=self.plan.sparse,
-            tied=to_split(self.module, self.plan, self.reduction, self.mixed is not None),
-            groups=self.plan.param_groups,
-            learned=learned,
-            fixed_layout=self.config.bucket_layout == "fixed",
-        )
-        return reducer
+        return setup.build_reducer(self, learned)
 
     def collective_device(self) -> torch.device:
         """Where this module's own small collectives run (the accelerator for NCCL)."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        for tensor in list(self.plan.candidates) + self.plan.buffer_values():
-            return local(tensor).device
-        return torch.device("cpu")
+        return setup.collective_device(self)
+
+    # -- the forward hooks ----------------------------------------------------
+
+    @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
+    @labelled("pre_forward")
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        # Before every forward of the root; returns cast inputs, or None to keep them.
+        if torch.is_grad_enabled() and not self.nested:
+            self._sync_before_forward()
+        if self.mixed is None or self.nested:
+            return None
+        cast = self.mixed.cast_inputs_of((args, kwargs))
+        return None if cast is None else (cast[0], cast[1])
+
+    def _sync_before_forward(self) -> None:
+        # What every rank does together before a forward with gradients
+        # enabled: the join round, the watchdog's mark, the re-plan check and
+        # the buffer broadcast. Without gradients (or nested): nothing, no
+        # collective, so one rank may evaluate alone ([Note: re-planning]).
+        if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
+            raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
+        buffer_source = 0
+        if self.joining:  # inside a Join context ([Note: join] in join.py)
+            buffer_source = training_join_round(self).source
+        lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.BACKWARD and not in_backward() and self.reducer is not None:
+            self.reducer.abandon_step()  # the last backward raised before its end ran: on every rank
+        self.num_forwards += 1
+        self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
+        plan = self.plan
+        if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
+            self.replan_if_changed()
+        if self.buffers_to_sync and self.buffer_sync.wanted:  # [Note: buffer sync] in buffers.py
+            broadcast_buffers(self, buffer_source)
+        now = lifecycle.now
+        if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
+            lifecycle.now = TrainingState.FORWARD
+            if self.tied is not None:
+                self.tied.begin(self.reducer, self.sync.on)
+
+    @torch.compiler.disable  # the outputs get real (eager) hooks
+    @labelled("post_forward")
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # After every forward of the root; returns the (cast) output.
+        lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.FORWARD:
+            lifecycle.now = TrainingState.IDLE
+        elif lifecycle.now is TrainingState.NESTED:
+            return output  # nested replicate: the enclosing module does this work
+        if torch.is_grad_enabled():
+            self.buffer_sync.due = self.sync.on  # the next one broadcasts only if this backward syncs
+        if self.mixed is not None:
+            output = self.mixed.cast_output(output)
+        reducer = self.reducer
+        if reducer is None or not torch.is_grad_enabled():
+            return output
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(_OutputGradHook(reducer))
+        return output
+
+
+class _OutputGradHook:
+    # Queues the reducer's end-of-backward work from the outermost backward
+    # pass ([Note: end of backward] in reducer/step.py).
+    __slots__ = ("reducer",)
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
+            self.reducer.queue_finalize()
+        return grad  # not None: traced under compiled autograd, the return value is the gradient
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)

@@ -26,10 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.core.plan import Plan
-from torchreplicate.reducer.dtensors import is_dtensor
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, Reduction
 from torchreplicate.reducer.switches import Lifecycle, TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled, parameters_of
 
@@ -45,25 +42,11 @@ def tied_params(root: nn.Module, params: tuple[nn.Parameter, ...]) -> dict[int, 
     return {key: found for key, found in holders.items() if len(found) > 1}
 
 
-def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> frozenset[int]:
-    """The tied parameters whose detached uses are reduced by rows, by identity.
-
-    None under mixed precision (its casts own ``_parameters`` in the forward),
-    a comm hook or a wire dtype (the hook or the cast sees each gradient whole,
-    in its bucket); never a sparse, DTensor or nested module's parameter.
-    """
-    if mixed or not isinstance(reduction, AllReduce) or reduction.reduce_dtype is not None:
-        return frozenset()
-    params = tuple(
-        p
-        for p, group in zip(plan.params, plan.param_groups or (0,) * len(plan.params), strict=True)
-        if group == 0 and id(p) not in plan.sparse and not is_dtensor(p)
-    )
-    return frozenset(tied_params(root, params))
-
-
 class TiedUses:
-    """The hooks of one replicated module's tied parameters; re-installed at every re-plan.
+    """The hooks of one replicated module's tied parameters, for one plan whose reducer splits some.
+
+    A plan without a tied split has none (``ReplicateState.tied`` is None,
+    setup.py decides): its forwards run nothing of this file.
 
     Args:
         lifecycle: the module's; holders detach only while it is ``FORWARD``.
@@ -79,11 +62,8 @@ class TiedUses:
         # detached copy, and the copy
         self.detached: dict[int, tuple[nn.Module, torch.Tensor]] = {}
 
-    def install(self, root: nn.Module, reducer: Optional[Reducer]) -> None:
-        """Hooks every module holding one of ``reducer``'s tied parameters."""
-        self.remove()
-        if reducer is None or not reducer.late_uses.slots:
-            return
+    def install(self, root: nn.Module, reducer: Reducer) -> None:
+        """Hooks every module holding one of ``reducer``'s tied parameters (it has some: setup.py)."""
         index_of = {id(slot.param): slot.index for slot in reducer.late_uses.slots}
         holders = tied_params(root, tuple(slot.param for slot in reducer.late_uses.slots))
         by_module: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = {}
@@ -108,7 +88,7 @@ class TiedUses:
     def begin(self, reducer: Optional[Reducer], syncs: bool) -> None:
         """The root's forward starts (``FORWARD``); ``syncs``: its backward will be synchronised."""
         self.detached.clear()
-        # a comm hook registered since the plan leaves the reducer no tied slots
+        # the reducer's first step may drop the split where it does not pay (schedule.py): no tied slots left
         detaches = self._handles and syncs and reducer is not None and reducer.late_uses.slots
         self.reducer = reducer if detaches and not compiled_autograd_enabled() else None
 

@@ -72,7 +72,7 @@ class StepRecord:
         late_rounds: (start, end) of each late round ([Note: one collective
             sequence] in reducer.py).
         wire_bytes: bytes the step handed to the reducer's collectives.
-        replan_ns: the module re-planned before this step (state.py), or None.
+        replan_ns: the module re-planned before this step (core/setup.py), or None.
     """
 
     step: int
