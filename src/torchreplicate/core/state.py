@@ -27,7 +27,6 @@ from torchreplicate.core.registry import registration_count
 from torchreplicate.core.tied import TiedUses, to_split
 from torchreplicate.reducer.bucket import grad_layout
 from torchreplicate.reducer.collectives import (
-    WeakGroup,
     broadcast_coalesced,
     is_transport_error,
     verify_params_across_ranks,
@@ -37,7 +36,7 @@ from torchreplicate.reducer.dtensors import check_mesh_apart, local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import join_enabled, num_composable_states, num_in_backward_optimizer_params

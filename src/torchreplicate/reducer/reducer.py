@@ -83,12 +83,12 @@ from torchreplicate.reducer.bucket import (
     step_in_backward_optimizers,
     take_over_in_backward_optimizers,
 )
-from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
+from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
-from torchreplicate.reducer.reduction import Reduction
+from torchreplicate.reducer.reduction import Reduction, WeakGroup
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, StepEnd
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
@@ -159,7 +159,9 @@ class Reducer:
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
-        self.flags = self._bind(reduction, clock, WeakGroup(group))  # the group is held weakly: collectives.py
+        self._group = WeakGroup(group)  # held weakly: reduction.py
+        self._clock = clock
+        self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
         self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
@@ -177,13 +179,7 @@ class Reducer:
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group of the collectives."""
-        return self._weak_group.get()
-
-    @property
-    def _weak_group(self) -> WeakGroup:
-        weak_group = self.reduction.weak_group
-        assert weak_group is not None, "bound at __init__"
-        return weak_group
+        return self._group.get()
 
     @property
     def learned(self) -> Learned:
@@ -197,18 +193,7 @@ class Reducer:
             self._view = ReducerView.of(self.buckets, self.probe.watch)
         return self._view
 
-    @property
-    def rounds(self) -> tuple[Round, ...]:
-        """The rounds the plan fixed after the buckets, in order (rounds.py): the sparse gradients
-        and the tied parameters' rows where this reducer has such parameters; an ordinary plan, none."""
-        rounds: tuple[Round, ...] = ()
-        if self.sparse.slots:
-            rounds += (self.sparse,)
-        if self.late_uses.slots:
-            rounds += (self.late_uses,)
-        return rounds
-
-    def step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
+    def _step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
         divide_factor = self.reduction.divide_factor
         return StepEnd(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
@@ -243,16 +228,20 @@ class Reducer:
                 f"register_comm_hook(): training already ran {self.num_steps} synchronised "
                 "step(s); register the hook before the first backward"
             )
-        weak_group = self._weak_group
         self.reduction = reduction
         self.late_uses = LateUses((), self.sync, self.layout)  # a comm hook sees each whole gradient in its bucket
-        self.flags = self._bind(reduction, self.flags.clock, weak_group)
+        self._bind()
 
-    def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.watch)
-        # the buckets as they travel, and the rows mask of the tied parameters' round
-        self._wire_bytes = reduction.wire_bytes(self.buckets) + self.late_uses.mask_bytes()
-        return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
+    def _bind(self) -> None:
+        # After the buckets, the reduction or the tied parameters changed: binds
+        # the reduction to the buckets; the flags, the rounds after the buckets
+        # the plan fixed (rounds.py: sparse gradients, tied rows; an ordinary
+        # plan has none), and the bytes one step sends.
+        reduction, buckets = self.reduction, self.buckets
+        tail = reduction.bind(buckets, num_flags(len(self.slots)), self._group, self.probe.watch)
+        self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
+        self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.late_uses) if r.slots)
+        self._wire_bytes = reduction.wire_bytes(buckets) + self.late_uses.mask_bytes()
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -346,7 +335,7 @@ class Reducer:
         grad = param.grad
         if grad is None:
             return
-        grad.copy_(self.reduction.traced(grad, self._weak_group.name))
+        grad.copy_(self.reduction.traced(grad, self._group.name))
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
@@ -408,7 +397,7 @@ class Reducer:
         late_grads = self.layout.restore(self.buckets, sums, num_early)
         rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
         if rounds:
-            end = self.step_end(sums, late_grads)
+            end = self._step_end(sums, late_grads)
             for round_ in rounds:
                 round_.reduce(end)
         return sums.any_late
@@ -460,7 +449,7 @@ class Reducer:
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         flags = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
         any_late = flags[len(self.slots)].item() > 0  # the training ranks' late flag
-        end = self.step_end(FlagSums(frozenset(), any_late), {})
+        end = self._step_end(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
@@ -504,5 +493,5 @@ class Reducer:
         # A new layout from the policy; .grad moves from the old buckets into the new.
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
         self.layout.take_over_grads(self.layout_policy.dense)
-        self.flags = self._bind(self.reduction, self.flags.clock, self._weak_group)
+        self._bind()
         self._view = None

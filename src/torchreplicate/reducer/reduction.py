@@ -11,6 +11,7 @@ bucket in index order, and ``reduce_flags`` once every bucket is back.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple, Optional, Sequence, cast
 
 import torch
@@ -18,9 +19,41 @@ import torch.distributed as dist
 
 from torchreplicate.errors import complex_wire_error
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.collectives import Waiter, WeakGroup, all_reduce, wait_for
+from torchreplicate.reducer.collectives import Waiter, all_reduce, wait_for
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
+
+
+class WeakGroup:
+    """A process group held weakly.
+
+    ``destroy_process_group()`` frees a group only when nothing else holds
+    it. A model (often alive until interpreter exit) that held its group
+    would keep gloo's worker threads running into interpreter finalization,
+    where a thread releasing a finished work's tensors needs the GIL and
+    aborts the process ("terminate called without an active exception"; seen
+    under torch 2.13 one exit in ~20, see pytorch/pytorch#179291).
+
+    Args:
+        group: the process group.
+    """
+
+    __slots__ = ("_ref", "name")
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._ref = weakref.ref(group)
+        self.name = group.group_name  # how traced code names it ([Note: compiled autograd])
+
+    def get(self) -> dist.ProcessGroup:
+        """The group; RuntimeError if it was destroyed."""
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "replicate(): the module's process group was destroyed "
+                "(torch.distributed.destroy_process_group()); a replicated module runs "
+                "forward and backward only while its group exists"
+            )
+        return group
 
 
 class Reduction:
