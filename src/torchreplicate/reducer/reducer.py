@@ -52,13 +52,31 @@ nested pass ends, and the rest of the backward queues another: the step is
 reduced in two rounds, each agreed, and the second adds the mean of what the
 outer pass accumulated. Still exact, as long as every rank's graph has the
 same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
+
+[Note: a backward that raised]
+A backward that raised (an exception in a hook or an autograd Function, out
+of memory) drops its queued end-of-backward callback, so its step never
+ends: some buckets left, others hold part of this rank's gradients. Every
+rank raised alike, or the others wait in their end of backward and the
+watchdog names this rank. The reducer holds the callback it queued only
+weakly, so the first gradient hook of the next backward (a retry on a
+retained graph) sees it gone; the next forward with gradients sees the
+module still in ``BACKWARD`` outside any backward. Either ends the failed
+step (``abandon_step``): it waits for the collectives the step launched, so
+every rank's sequence stays one, and sets every replicated parameter's
+``.grad`` to None, as ``zero_grad(set_to_none=True)`` would, with a warning:
+the partial sums are neither this rank's gradients nor their average. The
+next step is then exact (tests/test_patterns.py: raised backward). DDP
+refuses to go on instead ("Expected to have finished reduction in the
+prior iteration").
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Optional, Sequence
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,6 +88,7 @@ from torchreplicate.errors import (
     desync_error,
     foreign_hook_error,
     raise_with_place,
+    warn_backward_raised,
     warn_create_graph,
 )
 from torchreplicate.reducer import tuning
@@ -171,6 +190,9 @@ class Reducer:
         self.grew = False  # some parameter fired more often than learned so far
         self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
         self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
+        # the end-of-backward callback queued for this step, held weakly: None once
+        # the engine dropped it, with a backward that raised ([Note: a backward that raised])
+        self._end: Callable[[], Optional[object]] = _no_callback
         self._register_hooks()
         layout.take_over_grads(self.slots)
 
@@ -255,11 +277,15 @@ class Reducer:
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.BACKWARD and self._end() is None:
+            self.abandon_step()  # the last backward raised: [Note: a backward that raised]
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
             self.probe.backward(self.num_steps)
-            queue_end_of_backward_callback(self._finalize)
+            end = self._finalize  # one bound method: the engine holds it until the backward ends
+            self._end = weakref.ref(end)
+            queue_end_of_backward_callback(end)
 
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # Runs after every accumulation into param.grad: keep it short. The
@@ -297,7 +323,7 @@ class Reducer:
             self._accumulated(slot, param)
 
     def _take(self, slot: ParamSlot) -> None:
-        if self.lifecycle.now is not TrainingState.BACKWARD:
+        if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
             self.queue_finalize()
         fired = slot.fired + 1
         slot.fired = fired
@@ -339,7 +365,7 @@ class Reducer:
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
-        if self.sync.on and self.lifecycle.now is not TrainingState.BACKWARD:
+        if self.sync.on and (self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None):
             self.queue_finalize()
 
     def _launch_ready(self) -> None:
@@ -431,17 +457,19 @@ class Reducer:
         return sums
 
     def abandon_step(self) -> None:
-        """Ends a synchronised backward that raised before its end ran: waits for what it launched, starts clean.
+        """Ends a synchronised backward that raised before its end ran ([Note: a backward that raised]).
 
-        Every rank raised alike (otherwise the others wait in their end of
-        backward and the watchdog names this rank), so the launched buckets'
-        collectives are matched; their results are dropped with the step.
+        Waits for the collectives it launched, sets every replicated
+        parameter's ``.grad`` to None (with a warning) and starts clean.
         """
         for bucket in self.buckets[: self.num_launched]:
             if bucket.work is not None:
                 self.reduction.wait(bucket)
+        for slot in self.slots:
+            slot.param.grad = None
         self._new_step()
         self.lifecycle.now = TrainingState.IDLE
+        warn_backward_raised(self.num_steps)
 
     @torch.no_grad()
     def shadow_step(self) -> None:
@@ -495,3 +523,8 @@ class Reducer:
         self.layout.take_over_grads(self.layout_policy.dense)
         self._bind()
         self._view = None
+
+
+def _no_callback() -> None:
+    # What Reducer._end holds before its first backward: no callback queued.
+    return None
