@@ -177,8 +177,10 @@ def test_staged_unfreezing(pools, world_size, options):
     assert len(set(pools.run(world_size, staged_unfreezing, options))) == 1
 
 
-class _Boom(torch.autograd.Function):
-    """Identity forward; its backward raises, midway through the model's backward."""
+class _BoomOnce(torch.autograd.Function):
+    """Identity forward; its backward raises once armed, midway through the model's backward."""
+
+    armed = False
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -186,32 +188,48 @@ class _Boom(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom in backward")
+        if _BoomOnce.armed:
+            _BoomOnce.armed = False
+            raise RuntimeError("boom in backward")
+        return grad
 
 
-def raised_backward(rank: int, world_size: int, options: dict, replan: bool) -> str:
-    """A backward that raised on every rank (after the output layer's bucket left), then (with
-    ``replan``) a frozen layer, then normal training: every step equals the reference."""
+def raised_backward(rank: int, world_size: int, options: dict, then: str) -> str:
+    """A backward that raised on every rank (after the output layer's bucket left), then
+    the next forward ("forward"; "replan": a layer frozen first) or the same backward again on
+    the retained graph ("retry"), then training. The user does not zero the gradients: the
+    failed step's partial ones are cleared with a warning ([Note: a backward that raised] in
+    reducer.py), and every step after equals the reference."""
 
     def between(step: int, model: nn.Module, reference: nn.Module) -> None:
         if step != 2:
             return
-        handle = model.head.register_forward_hook(lambda module, args, output: _Boom.apply(output))
-        with pytest.raises(RuntimeError, match="boom in backward"):
-            loss_of(model, rank, 50).backward()
+        handle = model.head.register_forward_hook(lambda module, args, output: _BoomOnce.apply(output))
+        loss = loss_of(model, rank, 50)
         handle.remove()
-        model.zero_grad(set_to_none=True)  # the partial gradients of the failed step
-        if replan:
+        _BoomOnce.armed = True
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            loss.backward(retain_graph=True)
+        if then == "retry":  # no forward between: the first hook finds the step's end gone
+            with pytest.warns(UserWarning, match="raised before it ended"):
+                loss.backward()
+            reference_loss(reference, world_size, 50).backward()
+            assert_grads_match(model, reference, f"rank {rank}: the retried backward")
+            sgd_step(model, reference)
+            return
+        if then == "replan":
             for module in (model, reference):
                 module.trunk.requires_grad_(False)
+        with pytest.warns(UserWarning, match="raised before it ended"):
+            loss_of(model, rank, 51)  # a forward with gradients ends the failed step
 
     return digest(train(rank, world_size, 5, between=between, options=options))
 
 
-@pytest.mark.parametrize("replan", [True, False], ids=["replan", "same-plan"])
+@pytest.mark.parametrize("then", ["forward", "replan", "retry"])
 @pytest.mark.parametrize("options", [{}, dict(TINY, gradient_as_bucket_view=False)], ids=["default", "tiny-copy"])
-def test_backward_that_raised_then_training(pools, options, replan):
-    assert len(set(pools.run(2, raised_backward, options, replan))) == 1
+def test_backward_that_raised_then_training(pools, options, then):
+    assert len(set(pools.run(2, raised_backward, options, then))) == 1
 
 
 def surgery(rank: int, world_size: int, options: dict) -> str:

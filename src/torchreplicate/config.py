@@ -28,7 +28,7 @@ class ReplicateConfig:
     """Validated options of one ``replicate()`` call; see ``replicate`` for each.
 
     The process group is not kept here: ``ReplicateState`` holds it weakly
-    (see ``collectives.WeakGroup``).
+    (see ``reduction.WeakGroup``).
 
     Raises:
         TypeError / ValueError / RuntimeError: naming the option, the value

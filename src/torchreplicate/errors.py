@@ -196,6 +196,18 @@ def warn_create_graph() -> None:
     )
 
 
+def warn_backward_raised(step: int) -> None:
+    """Warns that a synchronised backward raised, so its gradients were cleared ([Note: a backward that raised])."""
+    warnings.warn(
+        f"replicate(): the synchronised backward of step {step} raised before it ended; its "
+        "collectives were completed and every replicated parameter's .grad was set to None on "
+        "every rank (the partial sums are neither this rank's gradients nor the average), as "
+        "zero_grad(set_to_none=True) would; gradients accumulated before it (no_sync) are dropped too",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def raise_with_place(error: Exception, where: str) -> None:
     """Re-raises a comm hook's protocol error prefixed with where it happened.
 

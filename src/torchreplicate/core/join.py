@@ -100,7 +100,7 @@ def training_join_round(state: ReplicateState) -> JoinRound:
     verdict = join_round(state, training=True)
     hook = state.join_hook
     if state.reducer is not None and hook is not None and not hook.divide_by_initial_world_size:
-        state.reducer.reduction.set_divide_factor(float(verdict.num_training))
+        state.reducer.set_divide_factor(float(verdict.num_training))
     return verdict
 
 
@@ -157,4 +157,4 @@ def end_join(state: ReplicateState) -> None:
     state.join_hook = None
     disable_join(state.module)
     if state.reducer is not None:
-        state.reducer.reduction.set_divide_factor(None)
+        state.reducer.set_divide_factor(None)

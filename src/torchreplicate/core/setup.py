@@ -34,14 +34,13 @@ from torchreplicate.core.plan import Plan, describe_change, ignored_names, make_
 from torchreplicate.core.tied import TiedUses, tied_params
 from torchreplicate.reducer.bucket import grad_layout
 from torchreplicate.reducer.collectives import (
-    WeakGroup,
     broadcast_coalesced,
     is_transport_error,
     verify_params_across_ranks,
 )
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
 from torchreplicate.reducer.switches import Learned, TrainingState
 from torchreplicate.reducer.watchdog import StallWatch
 

@@ -41,12 +41,11 @@ from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan
 from torchreplicate.core.registry import registrations
 from torchreplicate.core.tied import TiedUses
-from torchreplicate.reducer.collectives import WeakGroup
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, compiled_hook_error
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, compiled_hook_error
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     compiled_autograd_enabled,
@@ -376,7 +375,7 @@ class ReplicateState:
 
 class _OutputGradHook:
     # Queues the reducer's end-of-backward work from the outermost backward
-    # pass ([Note: end of backward] in reducer/step.py).
+    # pass ([Note: end of backward] in reducer/reducer.py).
     __slots__ = ("reducer",)
 
     def __init__(self, reducer: Reducer) -> None:

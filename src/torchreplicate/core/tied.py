@@ -140,4 +140,4 @@ def _arrived(reducer: Reducer, index: int, copy: torch.Tensor) -> None:
     grad = copy.grad
     if grad is not None:
         copy.grad = None
-        reducer.late_uses.arrive(reducer.slots[index], grad, reducer.sync.on, reducer.layout)
+        reducer.late_uses.arrive(index, grad)

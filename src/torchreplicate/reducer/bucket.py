@@ -2,10 +2,12 @@
 
 A ``Bucket`` is one flat buffer that travels in one collective; each
 ``ParamSlot`` is one reduced parameter and the view of the bucket that holds
-its gradient. They hold the layout (fixed until the buckets are rebuilt) and
-what was learned across steps. Everything that lives for one synchronised
-backward, per parameter and per bucket, is in step.py's ``StepState``: one
-object, which the reducer replaces at the end of each step (its one reset).
+its gradient. They hold the layout (fixed until the buckets are rebuilt),
+what was learned across steps, and what one synchronised backward knows of
+them: a slot its firings, whether it holds its contribution already and
+(copy layout) the ``.grad`` set aside; a bucket its slots still to fire and
+its launched work. ``Bucket.reset`` clears a bucket's and its slots' step,
+the reducer calls it on every bucket at each step's end (its one reset).
 
 ``ViewLayout`` (``gradient_as_bucket_view=True``, the default) keeps every
 ``.grad`` a view of its slot between steps, so gradients take no memory
@@ -27,11 +29,10 @@ from torchreplicate.errors import refuse_foreign_hooks
 from torchreplicate.reducer.collectives import Waiter
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.reducer.flags import FlagSums
-from torchreplicate.torch_internals import in_backward_optimizers
+from torchreplicate.torch_internals import in_backward_optimizers, remove_in_backward_optimizer_hooks
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.reduction import Reduction
-    from torchreplicate.reducer.step import StepState
 
 
 class ParamSlot:
@@ -57,6 +58,9 @@ class ParamSlot:
         "expected",
         "optimizers",
         "hook",
+        "fired",
+        "absorbed",
+        "held",
     )
 
     def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:
@@ -77,6 +81,12 @@ class ParamSlot:
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
         self.expected = expected
+        # - Per synchronised backward (Bucket.reset)
+        self.fired = 0  # accumulations into .grad seen
+        # the view holds this rank's contribution as the reduction wants it
+        # (scaled on the way in), so nothing is left to do before launch
+        self.absorbed = False
+        self.held: Optional[torch.Tensor] = None  # copy layout: .grad set aside while the bucket is in flight
 
     def plain(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of this parameter as a plain tensor shaped like the view."""
@@ -115,13 +125,22 @@ class Bucket:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
         self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
-        # - Per step. pending: slots still to reach their learned count before a
-        #   hook may launch the bucket ([Note: when is a parameter ready] in
-        #   reducer.py; reset by the reducer at each step's end). A slot not seen
-        #   yet has learned 0, so it never counts down, and its bucket waits for
-        #   the end of backward. work: what the reduction launched, until waited for.
+        # - Per synchronised backward (reset). pending: slots still to reach their
+        #   learned count before a hook may launch the bucket ([Note: when is a
+        #   parameter ready] in reducer.py). A slot not seen yet has learned 0,
+        #   so it never counts down, and its bucket waits for the end of
+        #   backward. work: what the reduction launched, until waited for.
         self.pending = len(self.slots)
         self.work: Any = None
+
+    def reset(self) -> None:
+        """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
+        self.pending = len(self.slots)
+        self.work = None
+        for slot in self.slots:
+            slot.fired = 0
+            slot.absorbed = False
+            slot.held = None
 
     @property
     def numel(self) -> int:
@@ -207,6 +226,27 @@ def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: d
     return slots
 
 
+def take_over_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
+    """The slots whose parameters torch's optimizer-in-backward steps, with its own hooks removed.
+
+    Those hooks would step on the local gradient; the reducer steps the
+    optimizers once the average is in ``.grad`` (``step_in_backward_optimizers``).
+    """
+    taken = [slot for slot in slots if slot.optimizers]
+    for slot in taken:
+        remove_in_backward_optimizer_hooks(slot.param)
+    return taken
+
+
+def step_in_backward_optimizers(slots: Sequence[ParamSlot]) -> None:
+    """Steps torch's optimizer-in-backward on the average, as its own hooks would have on the local gradient."""
+    for slot in slots:
+        if slot.param.grad is not None:
+            for optimizer in slot.optimizers:
+                optimizer.step()
+            slot.param.grad = None  # as torch's optimizer-in-backward leaves it
+
+
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
 
 
@@ -219,10 +259,10 @@ class GradLayout:
     def keep_local(self, slot: ParamSlot) -> None:
         """After an accumulation with gradient sync off (``no_sync``)."""
 
-    def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
+    def take(self, slot: ParamSlot, reduction: Reduction) -> None:
         """After an accumulation in a synchronised backward, before the bucket left."""
 
-    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
         """At a launch from a hook: frees ``.grad`` from the bucket in flight.
 
         Every slot of ``bucket`` reached its expected count, so each has a
@@ -231,12 +271,12 @@ class GradLayout:
         """
         raise NotImplementedError
 
-    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
+    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
         """At the end of backward, for a bucket not launched yet: makes the slot hold
         this rank's contribution. Returns whether this rank has a gradient for it."""
         raise NotImplementedError
 
-    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
         """After the reduction: points every ``.grad`` at its average; returns the late gradients.
 
         ``num_early`` buckets (a prefix) were launched from hooks, so their
@@ -263,7 +303,7 @@ class ViewLayout(GradLayout):
             slot.view.copy_(slot.plain(grad))
             param.grad = slot.grad_obj
 
-    def take(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> None:
+    def take(self, slot: ParamSlot, reduction: Reduction) -> None:
         # The hot path (once per parameter per step): no asserts, calls inlined.
         param = slot.param
         grad = param.grad
@@ -271,20 +311,19 @@ class ViewLayout(GradLayout):
             return  # accumulated in place: finish_absorbing handles it at launch
         if slot.distributed:
             grad = slot.plain(grad)  # type: ignore[arg-type]  # the reducer's hook checked it is set
-        index = slot.index
-        if step.absorbed[index]:
+        if slot.absorbed:
             reduction.fold(grad, slot)  # type: ignore[arg-type]  # a further accumulation in this backward
         else:
             reduction.absorb(grad, slot)  # type: ignore[arg-type]
-            step.absorbed[index] = True
+            slot.absorbed = True
         param.grad = None
 
-    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
         for slot in bucket.slots:
             slot.param.grad = None
 
-    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
-        if step.fired[slot.index]:
+    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
+        if slot.fired:
             return True  # take() already put it in the slot
         grad = slot.param.grad
         if grad is None:
@@ -294,7 +333,7 @@ class ViewLayout(GradLayout):
             slot.view.copy_(slot.plain(grad))  # brought to the absorbed form with the bucket at launch
         return True
 
-    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
         late: LateGrads = {}
         if not sums.unused_everywhere and not sums.any_late:
             for bucket in buckets:  # the ordinary step
@@ -319,26 +358,25 @@ class ViewLayout(GradLayout):
 class CopyLayout(GradLayout):
     """``.grad`` is a tensor of its own: copied in at launch, the average copied back."""
 
-    def detach(self, bucket: Bucket, step: StepState, reduction: Reduction) -> None:
+    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
         for slot in bucket.slots:
             grad = slot.param.grad
             assert grad is not None, "a bucket launches from a hook only once every slot has a gradient"
             reduction.absorb(slot.plain(grad), slot)  # the copy into the slot is the scaling pass
-            step.absorbed[slot.index] = True
-            step.held[slot.index] = grad
+            slot.absorbed = True
+            slot.held = grad
             slot.param.grad = None
 
-    def fill(self, slot: ParamSlot, step: StepState, reduction: Reduction) -> bool:
+    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
         grad = slot.param.grad
+        slot.absorbed = True
         if grad is None:
             slot.view.zero_()
-            step.absorbed[slot.index] = True
             return False
         reduction.absorb(slot.plain(grad), slot)
-        step.absorbed[slot.index] = True
         return True
 
-    def restore(self, buckets: Sequence[Bucket], step: StepState, sums: FlagSums, num_early: int) -> LateGrads:
+    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
         late: LateGrads = {}
         for bucket in buckets:
             early = bucket.index < num_early
@@ -347,7 +385,8 @@ class CopyLayout(GradLayout):
                 if early:
                     if param.grad is not None:
                         late[slot.index] = slot.plain(param.grad)
-                    held = step.held.pop(slot.index)
+                    held = slot.held
+                    assert held is not None, "set aside by detach()"
                     local(held).copy_(slot.view)
                     param.grad = held
                 elif slot.index in sums.unused_everywhere:

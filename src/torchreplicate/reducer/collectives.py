@@ -1,4 +1,4 @@
-"""Set-up collectives (the cross-rank parameter check, coalesced broadcast) and the weak group handle.
+"""Set-up collectives (the cross-rank parameter check, coalesced broadcast) and the plain collective helpers.
 
 Plain ``@torch.no_grad()`` functions over explicit arguments. Each is called
 at the same point on every rank, so each rank launches the same collectives.
@@ -7,7 +7,6 @@ at the same point on every rank, so each rank launches the same collectives.
 from __future__ import annotations
 
 import hashlib
-import weakref
 from typing import Any, Optional, Protocol, Sequence, cast
 
 import torch
@@ -15,38 +14,6 @@ import torch.distributed as dist
 
 from torchreplicate.errors import format_option_mismatch, format_param_mismatch
 from torchreplicate.reducer.dtensors import describe_placement
-
-
-class WeakGroup:
-    """A process group held weakly.
-
-    ``destroy_process_group()`` frees a group only when nothing else holds
-    it. A model (often alive until interpreter exit) that held its group
-    would keep gloo's worker threads running into interpreter finalization,
-    where a thread releasing a finished work's tensors needs the GIL and
-    aborts the process ("terminate called without an active exception"; seen
-    under torch 2.13 one exit in ~20, see pytorch/pytorch#179291).
-
-    Args:
-        group: the process group.
-    """
-
-    __slots__ = ("_ref", "name")
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._ref = weakref.ref(group)
-        self.name = group.group_name  # how traced code names it ([Note: compiled autograd] in reduction.py)
-
-    def get(self) -> dist.ProcessGroup:
-        """The group; RuntimeError if it was destroyed."""
-        group = self._ref()
-        if group is None:
-            raise RuntimeError(
-                "replicate(): the module's process group was destroyed "
-                "(torch.distributed.destroy_process_group()); a replicated module runs "
-                "forward and backward only while its group exists"
-            )
-        return group
 
 
 def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:

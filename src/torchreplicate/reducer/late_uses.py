@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torchreplicate.reducer.bucket import GradLayout, ParamSlot
 from torchreplicate.reducer.collectives import Waiter, all_reduce
 from torchreplicate.reducer.rounds import StepEnd
+from torchreplicate.reducer.switches import SyncSwitch
 
 
 class LateUses:
@@ -54,10 +55,15 @@ class LateUses:
 
     Args:
         slots: the slots of the tied parameters ([Note: tied parameters]).
+        sync: the module's gradient-sync switch (``no_sync`` keeps a detached use's gradient local).
+        layout: where ``.grad`` lives (bucket.py).
     """
 
-    def __init__(self, slots: Sequence[ParamSlot]) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], sync: SyncSwitch, layout: GradLayout) -> None:
         self.slots = list(slots)
+        self.sync = sync
+        self.layout = layout
+        self.by_index = {slot.index: slot for slot in self.slots}
         self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
         self.rows_bytes = 0  # what the last round sent in rows (the same on every rank)
         self.round_ns = 0  # how long the last round took here
@@ -68,18 +74,19 @@ class LateUses:
         self.kept[index] = grad.detach() if kept is None else kept + grad.detach()
 
     @torch.no_grad()
-    def arrive(self, slot: ParamSlot, grad: torch.Tensor, syncs: bool, layout: GradLayout) -> None:
-        """A detached use's gradient: kept for the rows round, or, with gradient sync off
-        (``no_sync``), accumulated into ``.grad`` as the use itself would have been."""
-        if syncs:
-            self.keep(slot.index, grad)
+    def arrive(self, index: int, grad: torch.Tensor) -> None:
+        """A detached use's gradient of slot ``index``: kept for the rows round, or, with gradient
+        sync off (``no_sync``), accumulated into ``.grad`` as the use itself would have been."""
+        if self.sync.on:
+            self.keep(index, grad)
             return
+        slot = self.by_index[index]
         param = slot.param
         if param.grad is None:
             param.grad = grad.detach()
         else:
             param.grad.add_(grad)
-        layout.keep_local(slot)
+        self.layout.keep_local(slot)
 
     def mask_bytes(self) -> int:
         """Bytes of the rows mask each round all-reduces."""

@@ -1,14 +1,17 @@
 """The gradient reducer: the owner of every synchronised step.
 
 One ``Reducer`` per replicated module (rebuilt on a re-plan). It owns the
-buckets (bucket.py), the step's state (``StepState``, replaced at the end of
-each step), a post-accumulate-grad hook per parameter, the step counter, and
-what it learns between steps (firing counts, launch order, bucket cap:
-tuning.py). How a slot is filled and a bucket reduced is the ``Reduction``'s
-job (reduction.py); where ``.grad`` lives is the ``GradLayout``'s
-(bucket.py); the collectives at the end of backward are step.py's,
-which reads the reducer and changes only the step and ``.grad``. Every
-point of a step is reported to one ``Probe`` (probe.py).
+buckets (bucket.py: each bucket and slot holds its own part of the step in
+progress, cleared by ``Bucket.reset``), a post-accumulate-grad hook per
+parameter, what the step in progress knows beyond them (launches, late
+gradients, first-ready order), the step counter, and what it learns between
+steps (firing counts, launch order, bucket cap: tuning.py). One step reads
+top to bottom here: the hooks fill buckets and launch the ready ones, the
+end-of-backward callback launches the rest, waits, reads the flags and runs
+the rounds after the buckets (rounds.py). How a slot is filled and a bucket
+reduced is the ``Reduction``'s job (reduction.py); where ``.grad`` lives is
+the ``GradLayout``'s (bucket.py). Every point of a step is reported to one
+``Probe`` (probe.py).
 
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
@@ -22,7 +25,7 @@ rank holds a gradient for, and whether a gradient arrived after its bucket
 was launched. After the last bucket is reduced, every rank reads the same
 sums and takes the same decisions: a parameter with no gradient on any rank
 keeps ``grad=None``; any late gradient anywhere triggers one more agreed
-round ([Note: the late round] in step.py).
+round ([Note: the late round] in rounds.py).
 
 [Note: when is a parameter ready]
 A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
@@ -38,20 +41,56 @@ launched (the graph changed), the gradient must not race with the collective
 that reads the bucket: at launch, each parameter's ``.grad`` is detached from
 the bucket (``GradLayout.detach``), so a late accumulation lands in a fresh
 tensor, which the late round reduces.
+
+[Note: end of backward]
+The callback is queued from a hook on the forward outputs (the outermost
+backward pass reaches them first), or, when no forward hook ran (a method
+other than ``forward``), from the first parameter hook of the backward. If
+that first hook fires inside a nested pass (reentrant checkpointing around
+the last layers, called through such a method), the callback runs when the
+nested pass ends, and the rest of the backward queues another: the step is
+reduced in two rounds, each agreed, and the second adds the mean of what the
+outer pass accumulated. Still exact, as long as every rank's graph has the
+same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
+
+[Note: a backward that raised]
+A backward that raised (an exception in a hook or an autograd Function, out
+of memory) drops its queued end-of-backward callback, so its step never
+ends: some buckets left, others hold part of this rank's gradients. Every
+rank raised alike, or the others wait in their end of backward and the
+watchdog names this rank. The reducer holds the callback it queued only
+weakly, so the first gradient hook of the next backward (a retry on a
+retained graph) sees it gone; the next forward with gradients sees the
+module still in ``BACKWARD`` outside any backward. Either ends the failed
+step (``abandon_step``): it waits for the collectives the step launched, so
+every rank's sequence stays one, and sets every replicated parameter's
+``.grad`` to None, as ``zero_grad(set_to_none=True)`` would, with a warning:
+the partial sums are neither this rank's gradients nor their average. The
+next step is then exact (tests/test_patterns.py: raised backward). DDP
+refuses to go on instead ("Expected to have finished reduction in the
+prior iteration").
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Optional, Sequence
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.compiler import is_compiling
 
-from torchreplicate.errors import changed_since_plan, foreign_hook_error, raise_with_place, warn_create_graph
+from torchreplicate.errors import (
+    changed_since_plan,
+    desync_error,
+    foreign_hook_error,
+    raise_with_place,
+    warn_backward_raised,
+    warn_create_graph,
+)
 from torchreplicate.reducer import tuning
 from torchreplicate.reducer.bucket import (
     Bucket,
@@ -60,23 +99,18 @@ from torchreplicate.reducer.bucket import (
     ReducerView,
     layout_digest,
     make_slots,
+    step_in_backward_optimizers,
+    take_over_in_backward_optimizers,
 )
-from torchreplicate.reducer.collectives import WeakGroup, is_transport_error
+from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
-from torchreplicate.reducer.reduction import Reduction
-from torchreplicate.reducer.rounds import Round, StepEnd
+from torchreplicate.reducer.reduction import Reduction, WeakGroup
+from torchreplicate.reducer.rounds import LATE_ROUND, Round, StepEnd
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
-from torchreplicate.reducer.step import (
-    LateRound,
-    StepState,
-    end_backward,
-    step_in_backward_optimizers,
-    take_over_in_backward_optimizers,
-)
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
@@ -136,8 +170,7 @@ class Reducer:
         self.slots = make_slots(params, names, learned.expected)
         self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
         dense = [slot for slot in self.slots if id(slot.param) not in sparse]
-        self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied])
-        self.late_round = LateRound()  # the first of the rounds after the buckets (step.py)
+        self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied], sync, layout)
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes, fixed_layout)
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
@@ -145,12 +178,21 @@ class Reducer:
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
-        self.flags = self._bind(reduction, clock, WeakGroup(group))  # the group is held weakly: collectives.py
+        self._group = WeakGroup(group)  # held weakly: reduction.py
+        self._clock = clock
+        self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
         self.num_steps = learned.num_steps  # synchronised backwards completed
         self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
-        # - The step in progress: replaced at the end of each synchronised backward
-        self.step = StepState(len(self.slots))  # each bucket's own per-step state: Bucket.pending, .work
+        # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
+        self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
+        self.late = False  # a gradient arrived after its bucket was launched
+        self.grew = False  # some parameter fired more often than learned so far
+        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
+        self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
+        # the end-of-backward callback queued for this step, held weakly: None once
+        # the engine dropped it, with a backward that raised ([Note: a backward that raised])
+        self._end: Callable[[], Optional[object]] = _no_callback
         self._register_hooks()
         layout.take_over_grads(self.slots)
 
@@ -159,13 +201,7 @@ class Reducer:
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group of the collectives."""
-        return self._weak_group.get()
-
-    @property
-    def _weak_group(self) -> WeakGroup:
-        weak_group = self.reduction.weak_group
-        assert weak_group is not None, "bound at __init__"
-        return weak_group
+        return self._group.get()
 
     @property
     def learned(self) -> Learned:
@@ -179,18 +215,7 @@ class Reducer:
             self._view = ReducerView.of(self.buckets, self.probe.watch)
         return self._view
 
-    @property
-    def rounds(self) -> tuple[Round, ...]:
-        """The rounds after the buckets, in order (rounds.py): the late round, then the sparse
-        gradients and the tied parameters' rows where this reducer has such parameters."""
-        rounds: tuple[Round, ...] = (self.late_round,)
-        if self.sparse.slots:
-            rounds += (self.sparse,)
-        if self.late_uses.slots:
-            rounds += (self.late_uses,)
-        return rounds
-
-    def step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
+    def _step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
         divide_factor = self.reduction.divide_factor
         return StepEnd(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
@@ -202,10 +227,13 @@ class Reducer:
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
-        wire = self.reduction.wire_bytes(self.buckets)
         if late:
-            wire += sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
-        return wire + self.late_uses.mask_bytes()  # and the rows some rank touched
+            return self._wire_bytes + sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
+        return self._wire_bytes
+
+    def set_divide_factor(self, divide_factor: Optional[float]) -> None:
+        """The divisor of the sum from now on (a Join: the ranks still training); None: the default."""
+        self.reduction.set_divide_factor(divide_factor)
 
     # -- set-up ----------------------------------------------------------------
 
@@ -222,14 +250,20 @@ class Reducer:
                 f"register_comm_hook(): training already ran {self.num_steps} synchronised "
                 "step(s); register the hook before the first backward"
             )
-        weak_group = self._weak_group
         self.reduction = reduction
-        self.late_uses = LateUses(())  # a comm hook sees each parameter's whole gradient in its bucket
-        self.flags = self._bind(reduction, self.flags.clock, weak_group)
+        self.late_uses = LateUses((), self.sync, self.layout)  # a comm hook sees each whole gradient in its bucket
+        self._bind()
 
-    def _bind(self, reduction: Reduction, clock: TrainingClock, group: WeakGroup) -> StepFlags:
-        tail = reduction.bind(self.buckets, num_flags(len(self.slots)), group, self.probe.watch)
-        return StepFlags(tail, len(self.slots), layout_digest(self.buckets, self.sparse.slots), clock)
+    def _bind(self) -> None:
+        # After the buckets, the reduction or the tied parameters changed: binds
+        # the reduction to the buckets; the flags, the rounds after the buckets
+        # the plan fixed (rounds.py: sparse gradients, tied rows; an ordinary
+        # plan has none), and the bytes one step sends.
+        reduction, buckets = self.reduction, self.buckets
+        tail = reduction.bind(buckets, num_flags(len(self.slots)), self._group, self.probe.watch)
+        self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
+        self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.late_uses) if r.slots)
+        self._wire_bytes = reduction.wire_bytes(buckets) + self.late_uses.mask_bytes()
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -243,11 +277,15 @@ class Reducer:
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
+        if lifecycle.now is TrainingState.BACKWARD and self._end() is None:
+            self.abandon_step()  # the last backward raised: [Note: a backward that raised]
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
             self.probe.backward(self.num_steps)
-            queue_end_of_backward_callback(self._finalize)
+            end = self._finalize  # one bound method: the engine holds it until the backward ends
+            self._end = weakref.ref(end)
+            queue_end_of_backward_callback(end)
 
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # Runs after every accumulation into param.grad: keep it short. The
@@ -285,25 +323,24 @@ class Reducer:
             self._accumulated(slot, param)
 
     def _take(self, slot: ParamSlot) -> None:
-        step = self.step
-        if self.lifecycle.now is not TrainingState.BACKWARD:
+        if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
             self.queue_finalize()
-        fired = step.fired[slot.index] + 1
-        step.fired[slot.index] = fired
+        fired = slot.fired + 1
+        slot.fired = fired
         if fired > slot.expected:
-            step.grew = True  # a count to learn at the end of the step
+            self.grew = True  # a count to learn at the end of the step
             if fired == 1 and not self.layout_policy.learned:
-                step.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
-                step.first_ready_ns.append(time.perf_counter_ns())
+                self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
+                self.first_ready_ns.append(time.perf_counter_ns())
         index = slot.bucket.index
         events = self.probe.events
         if events is not None:
             events.grad(index)
-        if index < step.num_launched:
-            step.late = True  # the fresh .grad is reduced by the late round
+        if index < self.num_launched:
+            self.late = True  # the fresh .grad is reduced by the late round
             return
         try:
-            self.layout.take(slot, step, self.reduction)
+            self.layout.take(slot, self.reduction)
         except RuntimeError as error:
             grad = slot.param.grad
             if grad is not None and (
@@ -315,7 +352,7 @@ class Reducer:
             bucket = slot.bucket
             bucket.pending -= 1
             if bucket.pending == 0:
-                self._launch_ready(step)
+                self._launch_ready()
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
@@ -324,31 +361,31 @@ class Reducer:
         grad = param.grad
         if grad is None:
             return
-        grad.copy_(self.reduction.traced(grad, self._weak_group.name))
+        grad.copy_(self.reduction.traced(grad, self._group.name))
 
     def _on_sparse_grad(self, slot: ParamSlot, param: nn.Parameter) -> None:
         # A sparse gradient stays in .grad until the end of backward (sparse.py).
-        if self.sync.on and self.lifecycle.now is not TrainingState.BACKWARD:
+        if self.sync.on and (self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None):
             self.queue_finalize()
 
-    def _launch_ready(self, step: StepState) -> None:
+    def _launch_ready(self) -> None:
         # Launch, in index order, every ready bucket but the last ([Note: one
         # collective sequence]).
         last = len(self.buckets) - 1
-        while step.num_launched < last and self.buckets[step.num_launched].pending == 0:
-            bucket = self.buckets[step.num_launched]
-            self.layout.detach(bucket, step, self.reduction)
-            self.launch(bucket, step)
+        while self.num_launched < last and self.buckets[self.num_launched].pending == 0:
+            bucket = self.buckets[self.num_launched]
+            self.layout.detach(bucket, self.reduction)
+            self._launch(bucket)
             self.probe.launched(bucket.index, True)
 
-    def launch(self, bucket: Bucket, step: StepState) -> None:
-        """Launches ``bucket``, the next in index order ([Note: one collective sequence])."""
-        assert bucket.index == step.num_launched, "buckets launch in index order"
+    def _launch(self, bucket: Bucket) -> None:
+        # Launches `bucket`, the next in index order ([Note: one collective sequence]).
+        assert bucket.index == self.num_launched, "buckets launch in index order"
         with self.probe.span("launch", bucket.index):
-            step.num_launched += 1
-            self.reduction.finish_absorbing(bucket, step)
+            self.num_launched += 1
+            self.reduction.finish_absorbing(bucket)
             try:
-                self.reduction.launch(bucket, step)
+                self.reduction.launch(bucket)
             except (TypeError, ValueError) as error:
                 raise_with_place(error, self.where(bucket))
 
@@ -357,15 +394,15 @@ class Reducer:
     @labelled("finalize")
     @torch.no_grad()
     def _finalize(self) -> None:
-        # The autograd engine's end-of-backward callback ([Note: end of backward] in step.py).
-        step = self.step
+        # The autograd engine's end-of-backward callback ([Note: end of backward]).
         self.lifecycle.now = TrainingState.ENDING
         end_ns = time.perf_counter_ns()
         try:
-            late = end_backward(self, step)
-            self._learn(step, end_ns)
+            late = self._end_backward()
+            self._learn(end_ns)
             self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=late))
-            step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
+            if self.in_backward_optimizer_slots:
+                step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         except RuntimeError as error:
             watch = self.probe.watch
             if watch is None or not is_transport_error(error):
@@ -375,46 +412,94 @@ class Reducer:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
 
-    def abandon_step(self) -> None:
-        """Ends a synchronised backward that raised before its end ran: waits for what it launched, starts clean.
+    def _end_backward(self) -> bool:
+        # Completes the step: launches every bucket the hooks did not (the
+        # last with the flags), waits for all, reads the summed flags, points
+        # .grad at the averages, then runs the rounds after the buckets: the
+        # late round if any rank had a late gradient, then the plan's
+        # (rounds.py). Returns whether a late round ran.
+        num_early = self.num_launched  # launched from hooks, .grad detached
+        sums = self._reduce_rest()
+        late_grads = self.layout.restore(self.buckets, sums, num_early)
+        rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
+        if rounds:
+            end = self._step_end(sums, late_grads)
+            for round_ in rounds:
+                round_.reduce(end)
+        return sums.any_late
 
-        Every rank raised alike (otherwise the others wait in their end of
-        backward and the watchdog names this rank), so the launched buckets'
-        collectives are matched; their results are dropped with the step.
+    def _reduce_rest(self) -> FlagSums:
+        probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
+        probe.ending(num_steps)
+        unused_here = self.sparse.unused_here() if self.sparse.slots else []
+        for bucket in buckets[self.num_launched :]:
+            for slot in bucket.slots:
+                if not self.layout.fill(slot, self.reduction):
+                    unused_here.append(slot.index)
+            if bucket is buckets[-1]:
+                self.flags.write(unused_here, self.late)
+            self._launch(bucket)
+            probe.launched(bucket.index, False)
+        for bucket in buckets:
+            probe.waiting(bucket.index, bucket.description, num_steps)
+            with probe.span("wait", bucket.index):
+                try:
+                    self.reduction.wait(bucket)
+                except (TypeError, ValueError) as error:
+                    raise_with_place(error, self.where(bucket))
+            probe.done(bucket.index)
+        probe.at("the flags' all-reduce", num_steps)
+        self.reduction.reduce_flags()
+        sums = self.flags.read(unused_here)
+        if not (sums.clocks_agree and sums.layouts_agree):
+            digest = layout_digest(buckets, self.sparse.slots)
+            raise desync_error(self.group, self.flags.clock.steps, digest, num_steps, sums.clocks_agree)
+        return sums
+
+    def abandon_step(self) -> None:
+        """Ends a synchronised backward that raised before its end ran ([Note: a backward that raised]).
+
+        Waits for the collectives it launched, sets every replicated
+        parameter's ``.grad`` to None (with a warning) and starts clean.
         """
-        step = self.step
-        for bucket in self.buckets[: step.num_launched]:
+        for bucket in self.buckets[: self.num_launched]:
             if bucket.work is not None:
-                self.reduction.wait(bucket, step)
+                self.reduction.wait(bucket)
+        for slot in self.slots:
+            slot.param.grad = None
         self._new_step()
         self.lifecycle.now = TrainingState.IDLE
+        warn_backward_raised(self.num_steps)
 
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         flags = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
-        end = self.step_end(FlagSums(frozenset(), flags[len(self.slots)].item() > 0), {})  # the others' late flag
-        for round_ in self.rounds:
+        any_late = flags[len(self.slots)].item() > 0  # the training ranks' late flag
+        end = self._step_end(FlagSums(frozenset(), any_late), {})
+        for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(end)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self._new_step()
 
     def _new_step(self) -> None:
-        # The one reset at a step's end: its StepState and each bucket's count.
-        self.step = StepState(len(self.slots))
+        # The one reset at a step's end: the reducer's part and each bucket's.
+        self.num_launched = 0
+        self.late = self.grew = False
+        self.first_ready, self.first_ready_ns = [], []
         for bucket in self.buckets:
-            bucket.pending = len(bucket.slots)
+            bucket.reset()
 
-    def _learn(self, step: StepState, end_ns: int) -> None:
+    def _learn(self, end_ns: int) -> None:
         # After a synchronised step: the firing counts ([Note: when is a
         # parameter ready], a running maximum), the step number, the layout.
-        if step.grew:
-            for slot, fired in zip(self.slots, step.fired, strict=True):
-                slot.expected = max(slot.expected, fired)  # never a sparse slot's: its hook counts nothing
+        if self.grew:
+            for slot in self.slots:
+                slot.expected = max(slot.expected, slot.fired)  # never a sparse slot's: its hook counts nothing
         self.num_steps += 1
-        self.learn_layout(step.first_ready, step.first_ready_ns, end_ns)
+        self.learn_layout(self.first_ready, self.first_ready_ns, end_ns)
 
     def learn_layout(self, first_ready: Sequence[int], ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
         """After a synchronised step (or its shadow, on a rank that joined), on every rank: the first
@@ -425,7 +510,7 @@ class Reducer:
         if not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.late_uses.round_ns)
             if settle_tied(policy, self.late_uses):  # the split dropped: the forward stops detaching
-                self.late_uses, rebuild = LateUses(()), True
+                self.late_uses, rebuild = LateUses((), self.sync, self.layout), True
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
@@ -436,5 +521,10 @@ class Reducer:
         # A new layout from the policy; .grad moves from the old buckets into the new.
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
         self.layout.take_over_grads(self.layout_policy.dense)
-        self.flags = self._bind(self.reduction, self.flags.clock, self._weak_group)
+        self._bind()
         self._view = None
+
+
+def _no_callback() -> None:
+    # What Reducer._end holds before its first backward: no callback queued.
+    return None

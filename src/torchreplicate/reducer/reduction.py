@@ -11,19 +11,49 @@ bucket in index order, and ``reduce_flags`` once every bucket is back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+import weakref
+from typing import Any, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import complex_wire_error
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.collectives import Waiter, WeakGroup, all_reduce, wait_for
+from torchreplicate.reducer.collectives import Waiter, all_reduce, wait_for
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
-if TYPE_CHECKING:
-    from torchreplicate.reducer.step import StepState
+
+class WeakGroup:
+    """A process group held weakly.
+
+    ``destroy_process_group()`` frees a group only when nothing else holds
+    it. A model (often alive until interpreter exit) that held its group
+    would keep gloo's worker threads running into interpreter finalization,
+    where a thread releasing a finished work's tensors needs the GIL and
+    aborts the process ("terminate called without an active exception"; seen
+    under torch 2.13 one exit in ~20, see pytorch/pytorch#179291).
+
+    Args:
+        group: the process group.
+    """
+
+    __slots__ = ("_ref", "name")
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._ref = weakref.ref(group)
+        self.name = group.group_name  # how traced code names it ([Note: compiled autograd])
+
+    def get(self) -> dist.ProcessGroup:
+        """The group; RuntimeError if it was destroyed."""
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "replicate(): the module's process group was destroyed "
+                "(torch.distributed.destroy_process_group()); a replicated module runs "
+                "forward and backward only while its group exists"
+            )
+        return group
 
 
 class Reduction:
@@ -55,14 +85,14 @@ class Reduction:
         """Adds a further accumulation to a slot already absorbed in this backward."""
         raise NotImplementedError
 
-    def finish_absorbing(self, bucket: Bucket, step: StepState) -> None:
+    def finish_absorbing(self, bucket: Bucket) -> None:
         """Just before launch: brings slots filled in place to the absorbed form."""
 
-    def launch(self, bucket: Bucket, step: StepState) -> None:
+    def launch(self, bucket: Bucket) -> None:
         """Starts reducing ``bucket``; leaves a handle in ``bucket.work``."""
         raise NotImplementedError
 
-    def wait(self, bucket: Bucket, step: StepState) -> None:
+    def wait(self, bucket: Bucket) -> None:
         """Waits for ``bucket``; its ``grads`` then hold the reduced average."""
         raise NotImplementedError
 
@@ -207,8 +237,8 @@ class AllReduce(Reduction):
     def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         slot.view.add_(grad, alpha=1.0 / self.divide_factor)
 
-    def finish_absorbing(self, bucket: Bucket, step: StepState) -> None:
-        done = sum(map(step.absorbed.__getitem__, bucket.indices))  # slots absorbed already; C-level, once per launch
+    def finish_absorbing(self, bucket: Bucket) -> None:
+        done = sum([slot.absorbed for slot in bucket.slots])  # slots absorbed already; once per launch
         if done == len(bucket.slots):
             return
         scale = self.scales[bucket.index]
@@ -216,19 +246,23 @@ class AllReduce(Reduction):
             bucket.grads.mul_(scale)
             return
         for slot in bucket.slots:
-            if not step.absorbed[slot.index]:
+            if not slot.absorbed:
                 slot.view.mul_(scale)
 
-    def launch(self, bucket: Bucket, step: StepState) -> None:
+    def launch(self, bucket: Bucket) -> None:
         assert self.weak_group is not None, "bind() comes first"
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        bucket.work = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
+        # dist.all_reduce, not collectives.all_reduce: the hot path, one call less per bucket
+        bucket.work = cast(dist.Work, dist.all_reduce(wire, group=self.weak_group.get(), async_op=True))
 
-    def wait(self, bucket: Bucket, step: StepState) -> None:
-        wait_for(bucket.work, self._waiter)
-        bucket.work = None
+    def wait(self, bucket: Bucket) -> None:
+        work, bucket.work = bucket.work, None
+        if self._waiter is None:
+            work.wait()
+        else:
+            self._waiter.wait(work)
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             bucket.grads.copy_(wire[: bucket.numel])
@@ -326,7 +360,7 @@ class HookReduction(Reduction):
     def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         slot.view.add_(grad)
 
-    def launch(self, bucket: Bucket, step: StepState) -> None:
+    def launch(self, bucket: Bucket) -> None:
         if bucket.index > 0:
             self._buckets[bucket.index - 1].work.future.wait()  # [Note: hooks run one bucket at a time]
         grad_bucket = GradBucket(  # complex as real: [Note: complex buckets and comm hooks]
@@ -346,7 +380,7 @@ class HookReduction(Reduction):
             )
         bucket.work = _HookCall(future, grad_bucket)
 
-    def wait(self, bucket: Bucket, step: StepState) -> None:
+    def wait(self, bucket: Bucket) -> None:
         call, bucket.work = bucket.work, None
         result = hook_result(call.future.wait(), call.grad_bucket)
         grads = real_parts(bucket.grads).view(-1)  # what the hook was handed

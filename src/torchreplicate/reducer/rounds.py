@@ -1,11 +1,12 @@
 """The rounds after the buckets at the end of a synchronised backward: one interface.
 
-Once every bucket is back and the flags are summed (step.py), a training
-rank runs each of its reducer's rounds (``Reducer.rounds``) in this order:
-the late round (step.py; always there, it runs only when the flags say some
-rank had a late gradient), the sparse gradients (sparse.py) and the tied
-parameters' rows (late_uses.py), the last two only where the reducer has
-such parameters. A joined rank runs each round's ``shadow`` in the same order:
+Once every bucket is back and the flags are summed (``Reducer._end_backward``),
+a training rank runs each of its reducer's rounds in this order: the late
+round (``LateRound``, here), only when the flags say some rank had a late
+gradient; then the rounds its plan fixed (``Reducer.rounds``): the sparse
+gradients (sparse.py) and the tied parameters' rows (late_uses.py), each
+only where the reducer has such parameters. An ordinary step runs none.
+A joined rank runs each round's ``shadow`` in the same order:
 the same collectives with zeros ([Note: join] in core/join.py), so every
 rank's collective sequence stays one ([Note: one collective sequence] in
 reducer.py). Each round keeps its ``reduce`` and its ``shadow`` side by
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket
+from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe
 
@@ -56,3 +59,46 @@ class Round(Protocol):
 
     def shadow(self, end: StepEnd) -> None:
         """A joined rank's part: the same collectives, zeros; no ``.grad`` changes."""
+
+
+class LateRound:
+    """Gradients that arrived after their bucket left, reduced in one more pass over the buckets.
+
+    [Note: the late round]
+    A parameter's hook may fire again after its bucket left (the graph changed
+    between steps: [Note: when is a parameter ready] in reducer.py). That
+    gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
+    it back), and the flags told every rank that some rank has one. So every
+    rank runs one more round, whatever it holds itself: the same collectives,
+    in bucket order, zeros where a rank has nothing late.
+    """
+
+    def reduce(self, end: StepEnd) -> None:
+        """Adds the mean of every rank's late gradients to the reduced ``.grad``."""
+        probe = end.probe
+        with probe.span("late_round"):
+            probe.late_round(True, end.step)
+            for bucket in end.buckets:
+                extra = torch.zeros_like(bucket.grads)
+                pieces = bucket.views_of(extra)
+                for slot, piece in zip(bucket.slots, pieces, strict=True):
+                    if slot.index in end.late_grads:
+                        piece.copy_(end.late_grads[slot.index])
+                all_reduce(extra, end.group, probe.watch)
+                extra.div_(end.divide_factor)
+                for slot, piece in zip(bucket.slots, pieces, strict=True):
+                    # A late gradient anywhere means the parameter was used there, so
+                    # every rank now holds a .grad for it; None means unused
+                    # everywhere, and nothing late can have arrived for it.
+                    grad = slot.param.grad
+                    if grad is not None:
+                        local(grad).add_(piece)
+            probe.late_round(False, end.step)
+
+    def shadow(self, end: StepEnd) -> None:
+        """Zeros for every bucket."""
+        for bucket in end.buckets:
+            all_reduce(torch.zeros_like(bucket.grads), end.group, end.probe.watch)
+
+
+LATE_ROUND = LateRound()  # it keeps nothing between steps: one for every reducer
