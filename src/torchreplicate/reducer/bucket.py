@@ -14,6 +14,22 @@ the reducer calls it on every bucket at each step's end (its one reset).
 beyond the buckets. ``CopyLayout`` keeps ``.grad`` separate and copies it
 into the slot at launch and back after the reduction. The reducer calls the
 same methods on either, at the same points of a step.
+
+[Note: when is a parameter ready]
+A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
+can be several times in one backward (reentrant checkpointing runs nested
+backward passes). The reducer counts firings per parameter
+(``ParamSlot.fired``) and learns the count each parameter reached in earlier
+synchronised steps (``ParamSlot.expected``, a running maximum). A bucket is
+launched from a hook only when every one of its parameters has reached its
+expected count (``Bucket.pending`` counts down to 0); until a parameter has
+been seen, its expected count is 0 and its bucket waits for the end of
+backward. The first step thus reduces everything at the end; later static
+steps overlap. If a parameter fires again after its bucket was launched (the
+graph changed), the gradient must not race with the collective that reads the
+bucket: at launch, each parameter's ``.grad`` is detached from the bucket
+(``GradLayout.detach``), so a late accumulation lands in a fresh tensor, which
+the late round reduces.
 """
 
 from __future__ import annotations
@@ -79,7 +95,7 @@ class ParamSlot:
         self.optimizers = in_backward_optimizers(param)
         self.hook: Any = None  # the reducer's post-accumulate-grad hook handle, while registered
         # - Learned across synchronised backwards: how many accumulations into
-        #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
+        #   .grad one backward brings ([Note: when is a parameter ready])
         self.expected = expected
         # - Per synchronised backward (Bucket.reset)
         self.fired = 0  # accumulations into .grad seen
