@@ -70,10 +70,10 @@ from torchreplicate.reducer.bucket import (
     Bucket,
     GradLayout,
     ParamSlot,
-    ReducerView,
+    ReducerInfo,
+    adopt_in_backward_optimizers,
     layout_digest,
     step_in_backward_optimizers,
-    take_over_in_backward_optimizers,
 )
 from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.dtensors import local
@@ -138,7 +138,7 @@ class Reducer:
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = policy
         self.buckets = build_buckets(policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.in_backward_optimizer_slots = take_over_in_backward_optimizers(self.slots)
+        self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
@@ -147,7 +147,7 @@ class Reducer:
         self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
         self.num_steps = num_steps  # synchronised backwards completed
-        self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
+        self._info: Optional[ReducerInfo] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
         self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
         self.late = False  # a gradient arrived after its bucket was launched
@@ -158,7 +158,7 @@ class Reducer:
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
         self._end: Callable[[], Optional[object]] = _no_callback
         self._register_hooks()
-        layout.take_over_grads(self.slots)
+        layout.adopt_grads(self.slots)
 
     # -- derived facts -------------------------------------------------------
 
@@ -173,11 +173,11 @@ class Reducer:
         return Learned({id(slot.param): slot.expected for slot in self.slots}, self.num_steps)
 
     @property
-    def view(self) -> ReducerView:
+    def info(self) -> ReducerInfo:
         """What observers read (trace(), log_summary()): the same object until the buckets change."""
-        if self._view is None:
-            self._view = ReducerView.of(self.buckets, self.probe.watch)
-        return self._view
+        if self._info is None:
+            self._info = ReducerInfo.of(self.buckets, self.probe.watch)
+        return self._info
 
     def _step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
@@ -274,9 +274,9 @@ class Reducer:
         if grad.requires_grad:  # backward(create_graph=True): the average cannot keep the graph
             warn_create_graph()
             with torch.no_grad():
-                self._take(slot)
+                self._synced_grad(slot)
             return
-        self._take(slot)
+        self._synced_grad(slot)
 
     def _unusual_hook(self, slot: ParamSlot, param: nn.Parameter) -> None:
         if is_compiling():
@@ -286,7 +286,7 @@ class Reducer:
         with self.probe.span("hook", None if bucket is None else bucket.index):
             self._accumulated(slot, param)
 
-    def _take(self, slot: ParamSlot) -> None:
+    def _synced_grad(self, slot: ParamSlot) -> None:
         if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
             self.queue_finalize()
         fired = slot.fired + 1
@@ -304,7 +304,7 @@ class Reducer:
             self.late = True  # the fresh .grad is reduced by the late round
             return
         try:
-            self.layout.take(slot, self.reduction)
+            self.layout.absorb(slot, self.reduction)
         except RuntimeError as error:
             grad = slot.param.grad
             if grad is not None and (
@@ -484,9 +484,9 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.layout.take_over_grads(self.layout_policy.dense)
+        self.layout.adopt_grads(self.layout_policy.dense)
         self._bind()
-        self._view = None
+        self._info = None
 
 
 def _no_callback() -> None:
