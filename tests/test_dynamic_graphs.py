@@ -81,7 +81,7 @@ class Reused(nn.Module):
 
 def other_method_checkpointed(model, rank, world_size, step):
     # no forward hook runs, and the first gradient hook fires inside a nested
-    # (reentrant) backward: see [Note: end of backward] in step_end.py
+    # (reentrant) backward: see [Note: end of backward] in core/state.py
     x = data(rank, step).requires_grad_()
     h = torch.tanh(model.inp(x))
 

@@ -1,6 +1,6 @@
 """Tied parameters: the detached first use is reduced by rows, the rest in its bucket, early.
 
-[Note: tied parameters] in reducer/late_uses.py. Every check is against a
+[Note: tied parameters] in reducer/tied_rows.py. Every check is against a
 single process on the global batch (or DDP), never against the replica itself.
 """
 
@@ -77,7 +77,7 @@ def train_tied(rank: int, world_size: int, uses: Optional[list[list[str]]] = Non
     replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)  # the table (2 KiB) in a bucket of its own
     state = replicate.state(model)
     assert state.reducer is not None
-    assert [slot.name for slot in state.reducer.late_uses.slots] == ["wte.weight"], "the tied table is split"
+    assert [slot.name for slot in state.reducer.tied_rows.slots] == ["wte.weight"], "the tied table is split"
     records: list = []
     timeline.subscribe(model, records.append)
     for step in range(4):
@@ -91,7 +91,7 @@ def train_tied(rank: int, world_size: int, uses: Optional[list[list[str]]] = Non
     assert_replicas_identical(model, "after 4 steps")
     if uses is None:
         # from the second step on, the table's bucket is launched from a hook, during backward
-        slot = state.reducer.late_uses.slots[0]
+        slot = state.reducer.tied_rows.slots[0]
         index = slot.bucket.index
         assert len(state.reducer.buckets) > 1
         assert all(record.buckets[index].from_hook for record in records[1:]), (
@@ -126,7 +126,7 @@ def checkpointed_root(rank: int, world_size: int, reentrant: bool) -> None:
     reference = seeded(ScaledGPT, 7)
     replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
     reducer = replicate.state(model).reducer
-    assert reducer is not None and [slot.name for slot in reducer.late_uses.slots] == ["wte.weight"]
+    assert reducer is not None and [slot.name for slot in reducer.tied_rows.slots] == ["wte.weight"]
     scale = torch.ones((), requires_grad=True)
     for step in range(3):
         tokens = own_rows_tokens(rank, step)
@@ -196,7 +196,7 @@ def against_ddp(rank: int, world_size: int, comm_hook: bool, uneven: bool) -> No
     if comm_hook:
         model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
         ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-        assert not replicate.state(model).reducer.late_uses.slots, "a comm hook sees the whole gradient"
+        assert not replicate.state(model).reducer.tied_rows.slots, "a comm hook sees the whole gradient"
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     steps = 3 + (2 * rank if uneven else 0)
@@ -289,7 +289,7 @@ def scheduled_tied(rank: int, world_size: int, split_kept: bool) -> tuple[Option
             sgd_step(model, reference, lr=0.1)
             assert_replicas_identical(model, f"after step {step}")
         assert reducer is replicate.state(model).reducer
-        assert bool(reducer.late_uses.slots) is split_kept, (
+        assert bool(reducer.tied_rows.slots) is split_kept, (
             "the split dropped where it does not pay, kept where it does"
         )
         return reducer.layout_policy.lengths, len(reducer.buckets)

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchlib.models import build_model, loss_of
 from torchreplicate import ReplicateModule, replicate
+from torchreplicate.core.setup import build_reducer
 from torchreplicate.reducer.reducer import Reducer
 
 # What build_engine makes:
@@ -124,7 +125,7 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
 def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """Our reducer for a module ``replicate()`` wrapped at world size 1, where it builds none.
 
-    Built by the library's own ``ReplicateState.build_reducer``, so it gets
+    Built by the library's own ``core.setup.build_reducer``, so it gets
     exactly the options and collaborators ``replicate()`` gives a reducer at
     world size 2, whatever the constructor takes. The state does not hold it,
     so ``replicate()``'s forward hooks behave as in the ``ours`` engine; the
@@ -132,4 +133,4 @@ def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """
     state = replicate.state(replicated)
     assert state.reducer is None, "replicate() builds no reducer at world size 1"
-    return state.build_reducer(None)
+    return build_reducer(state, None)

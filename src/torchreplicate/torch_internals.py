@@ -32,7 +32,7 @@ def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
     gradient hook). Called from a nested backward (reentrant activation
     checkpointing), the callback runs when that nested pass ends, which is why
     the reducer queues it from a hook on the forward outputs, in the outermost
-    pass (see [Note: end of backward] in reducer/reducer.py).
+    pass (see [Note: end of backward] in core/state.py).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 

@@ -32,7 +32,7 @@ from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, describe_change, ignored_names, make_plan, new_tensors
 from torchreplicate.core.tied import TiedUses, tied_params
-from torchreplicate.reducer.bucket import grad_layout
+from torchreplicate.reducer.bucket import grad_layout, make_slots
 from torchreplicate.reducer.collectives import (
     broadcast_coalesced,
     is_transport_error,
@@ -41,7 +41,10 @@ from torchreplicate.reducer.collectives import (
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
+from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, TrainingState
+from torchreplicate.reducer.tied_rows import TiedRows
+from torchreplicate.reducer.tuning import LayoutPolicy
 from torchreplicate.reducer.watchdog import StallWatch
 
 if TYPE_CHECKING:
@@ -72,7 +75,7 @@ def init(state: ReplicateState) -> None:
     plan = make_state_plan(state)
     # rank 0's random token, broadcast with everything: the watchdog's
     # keys are fresh in every run (torchrun's store outlives restarts)
-    token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=collective_device(state))
+    token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=state.collective_device())
     buffers = plan.buffer_values() if state.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
     install_plan(state, plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
@@ -142,7 +145,7 @@ def install_plan(
         plan.candidate_names,
         plan.candidates,
         group,
-        collective_device(state),
+        state.collective_device(),
         state.config.wire_options,
         state.probe.watch,
     )
@@ -163,7 +166,7 @@ def install_plan(
 def tied_uses(state: ReplicateState) -> Optional[TiedUses]:
     """The holder hooks of the tied parameters the state's reducer splits, installed; None where it splits none."""
     reducer = state.reducer
-    if reducer is None or not reducer.late_uses.slots:
+    if reducer is None or not reducer.tied_rows.slots:
         return None
     tied = TiedUses(state.lifecycle)
     tied.install(state.module, reducer)
@@ -173,29 +176,40 @@ def tied_uses(state: ReplicateState) -> Optional[TiedUses]:
 def build_reducer(state: ReplicateState, learned: Optional[Learned]) -> Reducer:
     """A reducer for the state's current plan and options, handed what the previous one ``learned`` (or None).
 
-    Every option that decides how the backward reduces is read here: the
-    bucket caps, where ``.grad`` lives, the reduction, the tied split, a
-    fixed layout.
+    Every option that decides how the backward reduces is read here, into
+    the part it changes: the bucket caps and a fixed layout into the layout
+    policy, ``gradient_as_bucket_view`` into the ``.grad`` layout, the tied
+    split into the tied rows' slots, sparse parameters into their round.
+
+    Raises:
+        ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
-    config = state.config
-    plan = state.plan
+    config, plan = state.config, state.plan
+    learned = learned or Learned({}, 0)
+    layout = grad_layout(config.gradient_as_bucket_view)
+    slots = make_slots(plan.params, plan.names, learned.expected)
+    dense = [slot for slot in slots if id(slot.param) not in plan.sparse]
+    tied = to_split(state.module, plan, state.reduction, state.mixed is not None)
+    policy = LayoutPolicy(
+        dense,
+        plan.param_groups,
+        None if config.bucket_cap_mb is None else int(config.bucket_cap_mb * MiB),
+        int(config.first_bucket_cap_mb * MiB),
+        fixed=config.bucket_layout == "fixed",
+    )
     return Reducer(
-        plan.params,
-        plan.names,
+        slots,
         state.group,
-        bucket_cap_bytes=None if config.bucket_cap_mb is None else int(config.bucket_cap_mb * MiB),
-        first_bucket_cap_bytes=int(config.first_bucket_cap_mb * MiB),
-        layout=grad_layout(config.gradient_as_bucket_view),
+        policy=policy,
+        sparse=SparseGrads([slot for slot in slots if id(slot.param) in plan.sparse]),
+        tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], state.sync, layout),
+        layout=layout,
         reduction=state.reduction,
         lifecycle=state.lifecycle,
         sync=state.sync,
         clock=state.clock,
         probe=state.probe,
-        sparse=plan.sparse,
-        tied=to_split(state.module, plan, state.reduction, state.mixed is not None),
-        groups=plan.param_groups,
-        learned=learned,
-        fixed_layout=config.bucket_layout == "fixed",
+        num_steps=learned.num_steps,
     )
 
 
@@ -214,13 +228,3 @@ def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> 
         if group == 0 and id(p) not in plan.sparse and not is_dtensor(p)
     )
     return frozenset(tied_params(root, params))
-
-
-def collective_device(state: ReplicateState) -> torch.device:
-    """Where the state's own small collectives run (the accelerator for NCCL)."""
-    if dist.get_backend(state.group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    plan = state.plan
-    for tensor in list(plan.candidates) + plan.buffer_values():
-        return local(tensor).device
-    return torch.device("cpu")

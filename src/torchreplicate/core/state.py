@@ -42,11 +42,12 @@ from torchreplicate.core.plan import EMPTY_PLAN, Plan
 from torchreplicate.core.registry import registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.reducer.comm_hooks import check_hook_options
+from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, compiled_hook_error
-from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     compiled_autograd_enabled,
     in_backward,
@@ -184,7 +185,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = self.build_reducer(None)
+            self.reducer = setup.build_reducer(self, None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -296,21 +297,13 @@ class ReplicateState:
             num_composable_states(),
         )
 
-    def replan_if_changed(self) -> None:
-        """Walks the module tree (the stamp moved) and re-plans if it finds a different plan."""
-        setup.replan_if_changed(self)
-
-    def build_reducer(self, learned: Optional[Learned]) -> Reducer:
-        """A reducer for the current plan and options, handed what the previous one ``learned`` (or None).
-
-        The state keeps the one it builds itself; the benchmark builds one at
-        world size 1 (where ``replicate()`` builds none) to time its bookkeeping.
-        """
-        return setup.build_reducer(self, learned)
-
     def collective_device(self) -> torch.device:
         """Where this module's own small collectives run (the accelerator for NCCL)."""
-        return setup.collective_device(self)
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        for tensor in list(self.plan.candidates) + self.plan.buffer_values():
+            return local(tensor).device
+        return torch.device("cpu")
 
     # -- the forward hooks ----------------------------------------------------
 
@@ -342,7 +335,7 @@ class ReplicateState:
         self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
-            self.replan_if_changed()
+            setup.replan_if_changed(self)
         if self.buffers_to_sync and self.buffer_sync.wanted:  # [Note: buffer sync] in buffers.py
             broadcast_buffers(self, buffer_source)
         now = lifecycle.now
@@ -374,8 +367,19 @@ class ReplicateState:
 
 
 class _OutputGradHook:
-    # Queues the reducer's end-of-backward work from the outermost backward
-    # pass ([Note: end of backward] in reducer/reducer.py).
+    # Queues the reducer's end-of-backward work (Reducer._finalize) from the
+    # outermost backward pass.
+    #
+    # [Note: end of backward]
+    # The callback is queued from a hook on the forward outputs (the outermost
+    # backward pass reaches them first), or, when no forward hook ran (a method
+    # other than ``forward``), from the first parameter hook of the backward. If
+    # that first hook fires inside a nested pass (reentrant checkpointing around
+    # the last layers, called through such a method), the callback runs when the
+    # nested pass ends, and the rest of the backward queues another: the step is
+    # reduced in two rounds, each agreed, and the second adds the mean of what the
+    # outer pass accumulated. Still exact, as long as every rank's graph has the
+    # same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
     __slots__ = ("reducer",)
 
     def __init__(self, reducer: Reducer) -> None:

@@ -1,13 +1,13 @@
 """The forward side of tied parameters: the first module to use one gets a detached copy.
 
-[Note: tied parameters] in reducer/late_uses.py says why. Here: every module
+[Note: tied parameters] in reducer/tied_rows.py says why. Here: every module
 that holds a tied parameter (two or more modules hold it, in their
 ``_parameters``) gets a forward pre-hook and an always-run forward hook. In a
 forward of the root with gradients enabled, before a synchronised backward,
 the first such module called gets, for the length of its forward, a detached
 copy in ``_parameters`` (set directly, as mixed_precision.py does, so no
 registration hook runs); the gradient of the copy goes to the reducer's
-``LateUses``. The modules called after it use the parameter itself, so its
+``TiedRows``. The modules called after it use the parameter itself, so its
 ``.grad`` is complete once their backward is done, early in backward.
 
 Not detached (the parameter is then reduced whole, in its bucket, as any
@@ -64,8 +64,8 @@ class TiedUses:
 
     def install(self, root: nn.Module, reducer: Reducer) -> None:
         """Hooks every module holding one of ``reducer``'s tied parameters (it has some: setup.py)."""
-        index_of = {id(slot.param): slot.index for slot in reducer.late_uses.slots}
-        holders = tied_params(root, tuple(slot.param for slot in reducer.late_uses.slots))
+        index_of = {id(slot.param): slot.index for slot in reducer.tied_rows.slots}
+        holders = tied_params(root, tuple(slot.param for slot in reducer.tied_rows.slots))
         by_module: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, int]]]] = {}
         for key, found in holders.items():
             for module, name in found:
@@ -89,7 +89,7 @@ class TiedUses:
         """The root's forward starts (``FORWARD``); ``syncs``: its backward will be synchronised."""
         self.detached.clear()
         # the reducer's first step may drop the split where it does not pay (schedule.py): no tied slots left
-        detaches = self._handles and syncs and reducer is not None and reducer.late_uses.slots
+        detaches = self._handles and syncs and reducer is not None and reducer.tied_rows.slots
         self.reducer = reducer if detaches and not compiled_autograd_enabled() else None
 
 
@@ -140,4 +140,4 @@ def _arrived(reducer: Reducer, index: int, copy: torch.Tensor) -> None:
     grad = copy.grad
     if grad is not None:
         copy.grad = None
-        reducer.late_uses.arrive(index, grad)
+        reducer.tied_rows.arrive(index, grad)

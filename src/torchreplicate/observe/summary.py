@@ -277,7 +277,7 @@ class SummaryLogger:
         state = get_state(model)
         reducer = state.reducer
         assert reducer is not None, "a step ended, so a reducer ran it"
-        view = reducer.view
+        view = reducer.info
         mine = torch.tensor(
             [
                 self._num_steps,

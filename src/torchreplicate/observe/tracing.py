@@ -41,7 +41,7 @@ from torchreplicate.observe.trace_format import (
     plot_trace,
     rank_events,
 )
-from torchreplicate.reducer.bucket import ReducerView
+from torchreplicate.reducer.bucket import ReducerInfo
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
@@ -126,7 +126,7 @@ class Tracer:
             maxlen=None if max_steps is None else 16 * max_steps
         )
         self._layouts: list[tuple[int, tuple[BucketInfo, ...]]] = []  # (first step, buckets)
-        self._layout_source: Optional[ReducerView] = None  # the reducer's view the last layout came from
+        self._layout_source: Optional[ReducerInfo] = None  # the reducer's view the last layout came from
         self._num_dropped = 0  # steps pushed out of `records`
         self._dropped_until_ns = 0  # end of the newest dropped step: older forwards go too
         self._forward_start_ns: list[int] = []  # a stack: forwards may nest (a module called inside itself)
@@ -193,9 +193,9 @@ class Tracer:
         # the bucket layout it ran with when that changed (a re-plan).
         model = self._model
         reducer = None if model is None else get_state(model).reducer
-        if reducer is not None and reducer.view is not self._layout_source:  # a new reducer, or new buckets
-            self._layout_source = reducer.view
-            self._layouts.append((record.step, reducer.view.buckets))
+        if reducer is not None and reducer.info is not self._layout_source:  # a new reducer, or new buckets
+            self._layout_source = reducer.info
+            self._layouts.append((record.step, reducer.info.buckets))
         if self.records.maxlen is not None and len(self.records) == self.records.maxlen:
             self._num_dropped += 1
             self._dropped_until_ns = self.records[0].end_ns

@@ -14,6 +14,22 @@ the reducer calls it on every bucket at each step's end (its one reset).
 beyond the buckets. ``CopyLayout`` keeps ``.grad`` separate and copies it
 into the slot at launch and back after the reduction. The reducer calls the
 same methods on either, at the same points of a step.
+
+[Note: when is a parameter ready]
+A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
+can be several times in one backward (reentrant checkpointing runs nested
+backward passes). The reducer counts firings per parameter
+(``ParamSlot.fired``) and learns the count each parameter reached in earlier
+synchronised steps (``ParamSlot.expected``, a running maximum). A bucket is
+launched from a hook only when every one of its parameters has reached its
+expected count (``Bucket.pending`` counts down to 0); until a parameter has
+been seen, its expected count is 0 and its bucket waits for the end of
+backward. The first step thus reduces everything at the end; later static
+steps overlap. If a parameter fires again after its bucket was launched (the
+graph changed), the gradient must not race with the collective that reads the
+bucket: at launch, each parameter's ``.grad`` is detached from the bucket
+(``GradLayout.detach``), so a late accumulation lands in a fresh tensor, which
+the late round reduces.
 """
 
 from __future__ import annotations
@@ -79,7 +95,7 @@ class ParamSlot:
         self.optimizers = in_backward_optimizers(param)
         self.hook: Any = None  # the reducer's post-accumulate-grad hook handle, while registered
         # - Learned across synchronised backwards: how many accumulations into
-        #   .grad one backward brings ([Note: when is a parameter ready] in reducer.py)
+        #   .grad one backward brings ([Note: when is a parameter ready])
         self.expected = expected
         # - Per synchronised backward (Bucket.reset)
         self.fired = 0  # accumulations into .grad seen
@@ -127,7 +143,7 @@ class Bucket:
         self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
         # - Per synchronised backward (reset). pending: slots still to reach their
         #   learned count before a hook may launch the bucket ([Note: when is a
-        #   parameter ready] in reducer.py). A slot not seen yet has learned 0,
+        #   parameter ready]). A slot not seen yet has learned 0,
         #   so it never counts down, and its bucket waits for the end of
         #   backward. work: what the reduction launched, until waited for.
         self.pending = len(self.slots)
@@ -180,8 +196,8 @@ class BucketInfo:
         return shown + (f" and {more} more" if more > 0 else "")
 
 
-class ReducerView(NamedTuple):
-    """What observers read of a reducer (``Reducer.view``): plain values, the layout as it is now.
+class ReducerInfo(NamedTuple):
+    """What observers read of a reducer (``Reducer.info``): plain values, the layout as it is now.
 
     Attributes:
         device: where the buckets live (an observer's own collectives run there).
@@ -194,7 +210,7 @@ class ReducerView(NamedTuple):
     buckets: tuple[BucketInfo, ...]
 
     @classmethod
-    def of(cls, buckets: Sequence[Bucket], waiter: Optional[Waiter]) -> ReducerView:
+    def of(cls, buckets: Sequence[Bucket], waiter: Optional[Waiter]) -> ReducerInfo:
         """The view of ``buckets`` (a reducer's, in launch order)."""
         infos = tuple(
             BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
@@ -226,7 +242,7 @@ def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: d
     return slots
 
 
-def take_over_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
+def adopt_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
     """The slots whose parameters torch's optimizer-in-backward steps, with its own hooks removed.
 
     Those hooks would step on the local gradient; the reducer steps the
@@ -253,13 +269,13 @@ LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived aft
 class GradLayout:
     """The interface; see the two implementations."""
 
-    def take_over_grads(self, slots: Sequence[ParamSlot]) -> None:
+    def adopt_grads(self, slots: Sequence[ParamSlot]) -> None:
         """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
 
     def keep_local(self, slot: ParamSlot) -> None:
         """After an accumulation with gradient sync off (``no_sync``)."""
 
-    def take(self, slot: ParamSlot, reduction: Reduction) -> None:
+    def absorb(self, slot: ParamSlot, reduction: Reduction) -> None:
         """After an accumulation in a synchronised backward, before the bucket left."""
 
     def detach(self, bucket: Bucket, reduction: Reduction) -> None:
@@ -288,7 +304,7 @@ class GradLayout:
 class ViewLayout(GradLayout):
     """``.grad`` is its slot's view whenever no backward is running."""
 
-    def take_over_grads(self, slots: Sequence[ParamSlot]) -> None:
+    def adopt_grads(self, slots: Sequence[ParamSlot]) -> None:
         for slot in slots:
             if slot.param.grad is not None:
                 slot.view.copy_(slot.plain(slot.param.grad))
@@ -303,7 +319,7 @@ class ViewLayout(GradLayout):
             slot.view.copy_(slot.plain(grad))
             param.grad = slot.grad_obj
 
-    def take(self, slot: ParamSlot, reduction: Reduction) -> None:
+    def absorb(self, slot: ParamSlot, reduction: Reduction) -> None:
         # The hot path (once per parameter per step): no asserts, calls inlined.
         param = slot.param
         grad = param.grad
@@ -324,7 +340,7 @@ class ViewLayout(GradLayout):
 
     def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
         if slot.fired:
-            return True  # take() already put it in the slot
+            return True  # absorb() already put it in the slot
         grad = slot.param.grad
         if grad is None:
             slot.view.zero_()

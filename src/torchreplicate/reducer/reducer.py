@@ -27,32 +27,6 @@ sums and takes the same decisions: a parameter with no gradient on any rank
 keeps ``grad=None``; any late gradient anywhere triggers one more agreed
 round ([Note: the late round] in rounds.py).
 
-[Note: when is a parameter ready]
-A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
-can be several times in one backward (reentrant checkpointing runs nested
-backward passes). The reducer counts firings per parameter and learns the
-count each parameter reached in earlier synchronised steps
-(``ParamSlot.expected``, a running maximum). A bucket is launched from a hook
-only when every one of its parameters has reached its expected count; until
-a parameter has been seen, its expected count is 0 and its bucket waits for
-the end of backward. The first step thus reduces everything at the end; later
-static steps overlap. If a parameter fires again after its bucket was
-launched (the graph changed), the gradient must not race with the collective
-that reads the bucket: at launch, each parameter's ``.grad`` is detached from
-the bucket (``GradLayout.detach``), so a late accumulation lands in a fresh
-tensor, which the late round reduces.
-
-[Note: end of backward]
-The callback is queued from a hook on the forward outputs (the outermost
-backward pass reaches them first), or, when no forward hook ran (a method
-other than ``forward``), from the first parameter hook of the backward. If
-that first hook fires inside a nested pass (reentrant checkpointing around
-the last layers, called through such a method), the callback runs when the
-nested pass ends, and the rest of the backward queues another: the step is
-reduced in two rounds, each agreed, and the second adds the mean of what the
-outer pass accumulated. Still exact, as long as every rank's graph has the
-same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
-
 [Note: a backward that raised]
 A backward that raised (an exception in a hook or an autograd Function, out
 of memory) drops its queued end-of-backward callback, so its step never
@@ -96,22 +70,21 @@ from torchreplicate.reducer.bucket import (
     Bucket,
     GradLayout,
     ParamSlot,
-    ReducerView,
+    ReducerInfo,
+    adopt_in_backward_optimizers,
     layout_digest,
-    make_slots,
     step_in_backward_optimizers,
-    take_over_in_backward_optimizers,
 )
 from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
-from torchreplicate.reducer.late_uses import LateUses
 from torchreplicate.reducer.probe import Probe, labelled
 from torchreplicate.reducer.reduction import Reduction, WeakGroup
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, StepEnd
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.reducer.tied_rows import TiedRows
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
 
@@ -119,62 +92,53 @@ from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callb
 class Reducer:
     """Averages gradients across ranks after every synchronised backward.
 
+    Built at each plan by ``core/setup.py``'s ``build_reducer``, which decides
+    every mode into the parts it hands over (the layout, the reduction, the
+    rounds' parameters, the layout policy).
+
     Args:
-        params: the parameters to reduce, in registration order.
-        names: their fully qualified names, for error messages.
+        slots: one per parameter to reduce, in registration order (``make_slots``).
         group: the process group to reduce over.
-        bucket_cap_bytes: bucket size cap; None: tuned in the first step ([Note: tuning] in tuning.py).
-        first_bucket_cap_bytes: cap of the first bucket.
+        policy: how the dense slots are laid out in buckets, and what is still to learn (tuning.py).
+        sparse: the slots with sparse gradients, reduced outside the buckets (sparse.py).
+        tied_rows: the tied parameters split by rows ([Note: tied parameters] in tied_rows.py).
         layout: where ``.grad`` lives (bucket.py).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
-        sparse: identities of the parameters with sparse gradients (sparse.py).
-        tied: identities of the tied parameters to split ([Note: tied parameters] in late_uses.py).
-        groups: per parameter, a group its buckets keep to (nested replicate; bucket_plan.py).
-        learned: what the previous reducer of the module learned (a re-plan).
-        fixed_layout: never reorder or resize the buckets ([Note: fixed layout] in tuning.py).
-
-    Raises:
-        ValueError: a parameter carries a post-accumulate-grad hook of its own.
+        num_steps: synchronised backwards the module's earlier reducers completed (a re-plan).
     """
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
-        names: Sequence[str],
+        slots: Sequence[ParamSlot],
         group: dist.ProcessGroup,
         *,
-        bucket_cap_bytes: Optional[int],
-        first_bucket_cap_bytes: int,
+        policy: LayoutPolicy,
+        sparse: SparseGrads,
+        tied_rows: TiedRows,
         layout: GradLayout,
         reduction: Reduction,
         lifecycle: Lifecycle,
         sync: SyncSwitch,
         clock: TrainingClock,
         probe: Probe,
-        sparse: frozenset[int] = frozenset(),
-        tied: frozenset[int] = frozenset(),
-        groups: Optional[Sequence[int]] = None,
-        learned: Optional[Learned] = None,
-        fixed_layout: bool = False,
+        num_steps: int = 0,
     ) -> None:
-        learned = learned or Learned({}, 0)
         # - Configuration, fixed for the reducer's life
+        self.slots = list(slots)
         self.layout = layout
         self.lifecycle = lifecycle  # the module's one TrainingState: BACKWARD and ENDING are set here
         self.sync = sync
         self.probe = probe
-        self.slots = make_slots(params, names, learned.expected)
-        self.sparse = SparseGrads([slot for slot in self.slots if id(slot.param) in sparse])
-        dense = [slot for slot in self.slots if id(slot.param) not in sparse]
-        self.late_uses = LateUses([slot for slot in dense if id(slot.param) in tied], sync, layout)
+        self.sparse = sparse
+        self.tied_rows = tied_rows
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
-        self.layout_policy = LayoutPolicy(dense, groups, bucket_cap_bytes, first_bucket_cap_bytes, fixed_layout)
-        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.in_backward_optimizer_slots = take_over_in_backward_optimizers(self.slots)
+        self.layout_policy = policy
+        self.buckets = build_buckets(policy, num_flags(len(self.slots)), self.slots[0].param.device)
+        self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
         self.reduction = reduction
@@ -182,8 +146,8 @@ class Reducer:
         self._clock = clock
         self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
-        self.num_steps = learned.num_steps  # synchronised backwards completed
-        self._view: Optional[ReducerView] = None  # what observers read; rebuilt after the buckets change
+        self.num_steps = num_steps  # synchronised backwards completed
+        self._info: Optional[ReducerInfo] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
         self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
         self.late = False  # a gradient arrived after its bucket was launched
@@ -194,7 +158,7 @@ class Reducer:
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
         self._end: Callable[[], Optional[object]] = _no_callback
         self._register_hooks()
-        layout.take_over_grads(self.slots)
+        layout.adopt_grads(self.slots)
 
     # -- derived facts -------------------------------------------------------
 
@@ -209,11 +173,11 @@ class Reducer:
         return Learned({id(slot.param): slot.expected for slot in self.slots}, self.num_steps)
 
     @property
-    def view(self) -> ReducerView:
+    def info(self) -> ReducerInfo:
         """What observers read (trace(), log_summary()): the same object until the buckets change."""
-        if self._view is None:
-            self._view = ReducerView.of(self.buckets, self.probe.watch)
-        return self._view
+        if self._info is None:
+            self._info = ReducerInfo.of(self.buckets, self.probe.watch)
+        return self._info
 
     def _step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
@@ -251,7 +215,7 @@ class Reducer:
                 "step(s); register the hook before the first backward"
             )
         self.reduction = reduction
-        self.late_uses = LateUses((), self.sync, self.layout)  # a comm hook sees each whole gradient in its bucket
+        self.tied_rows = TiedRows((), self.sync, self.layout)  # a comm hook sees each whole gradient in its bucket
         self._bind()
 
     def _bind(self) -> None:
@@ -262,8 +226,8 @@ class Reducer:
         reduction, buckets = self.reduction, self.buckets
         tail = reduction.bind(buckets, num_flags(len(self.slots)), self._group, self.probe.watch)
         self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
-        self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.late_uses) if r.slots)
-        self._wire_bytes = reduction.wire_bytes(buckets) + self.late_uses.mask_bytes()
+        self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
+        self._wire_bytes = reduction.wire_bytes(buckets) + self.tied_rows.mask_bytes()
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -310,9 +274,9 @@ class Reducer:
         if grad.requires_grad:  # backward(create_graph=True): the average cannot keep the graph
             warn_create_graph()
             with torch.no_grad():
-                self._take(slot)
+                self._synced_grad(slot)
             return
-        self._take(slot)
+        self._synced_grad(slot)
 
     def _unusual_hook(self, slot: ParamSlot, param: nn.Parameter) -> None:
         if is_compiling():
@@ -322,7 +286,7 @@ class Reducer:
         with self.probe.span("hook", None if bucket is None else bucket.index):
             self._accumulated(slot, param)
 
-    def _take(self, slot: ParamSlot) -> None:
+    def _synced_grad(self, slot: ParamSlot) -> None:
         if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
             self.queue_finalize()
         fired = slot.fired + 1
@@ -340,7 +304,7 @@ class Reducer:
             self.late = True  # the fresh .grad is reduced by the late round
             return
         try:
-            self.layout.take(slot, self.reduction)
+            self.layout.absorb(slot, self.reduction)
         except RuntimeError as error:
             grad = slot.param.grad
             if grad is not None and (
@@ -394,7 +358,7 @@ class Reducer:
     @labelled("finalize")
     @torch.no_grad()
     def _finalize(self) -> None:
-        # The autograd engine's end-of-backward callback ([Note: end of backward]).
+        # The autograd engine's end-of-backward callback ([Note: end of backward] in core/state.py).
         self.lifecycle.now = TrainingState.ENDING
         end_ns = time.perf_counter_ns()
         try:
@@ -508,9 +472,9 @@ class Reducer:
         the link again; the buckets follow ([Note: tuning])."""
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
-            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.late_uses.round_ns)
-            if settle_tied(policy, self.late_uses):  # the split dropped: the forward stops detaching
-                self.late_uses, rebuild = LateUses((), self.sync, self.layout), True
+            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.tied_rows.round_ns)
+            if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
+                self.tied_rows, rebuild = TiedRows((), self.sync, self.layout), True
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
@@ -520,9 +484,9 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
         self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.layout.take_over_grads(self.layout_policy.dense)
+        self.layout.adopt_grads(self.layout_policy.dense)
         self._bind()
-        self._view = None
+        self._info = None
 
 
 def _no_callback() -> None:

@@ -4,7 +4,7 @@ Once every bucket is back and the flags are summed (``Reducer._end_backward``),
 a training rank runs each of its reducer's rounds in this order: the late
 round (``LateRound``, here), only when the flags say some rank had a late
 gradient; then the rounds its plan fixed (``Reducer.rounds``): the sparse
-gradients (sparse.py) and the tied parameters' rows (late_uses.py), each
+gradients (sparse.py) and the tied parameters' rows (tied_rows.py), each
 only where the reducer has such parameters. An ordinary step runs none.
 A joined rank runs each round's ``shadow`` in the same order:
 the same collectives with zeros ([Note: join] in core/join.py), so every
@@ -66,7 +66,7 @@ class LateRound:
 
     [Note: the late round]
     A parameter's hook may fire again after its bucket left (the graph changed
-    between steps: [Note: when is a parameter ready] in reducer.py). That
+    between steps: [Note: when is a parameter ready] in bucket.py). That
     gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
     it back), and the flags told every rank that some rank has one. So every
     rank runs one more round, whatever it holds itself: the same collectives,

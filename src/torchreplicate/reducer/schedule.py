@@ -3,7 +3,7 @@
 [Note: buckets from the schedule] (bucket_plan.py) chooses bucket
 boundaries from the first backward's readiness and the measured link;
 ``split_pays`` prices the tied parameters' split ([Note: tied parameters] in
-late_uses.py) with it. Pure functions of a ``LayoutPolicy`` (tuning.py),
+tied_rows.py) with it. Pure functions of a ``LayoutPolicy`` (tuning.py),
 whose numbers every rank agreed on, so every rank decides alike.
 """
 
@@ -15,7 +15,7 @@ from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, bes
 from torchreplicate.reducer.dtensors import local
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer.late_uses import LateUses
+    from torchreplicate.reducer.tied_rows import TiedRows
     from torchreplicate.reducer.tuning import LayoutPolicy
 
 # The schedule plans for a backward this much slower than the first one measured: a
@@ -83,7 +83,7 @@ def _best(
 def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bool:
     """Whether reducing tied parameters' detached uses apart ends the step sooner; pure in agreed numbers.
 
-    [Note: tied parameters] in late_uses.py. With the split (how the first
+    [Note: tied parameters] in tied_rows.py. With the split (how the first
     step ran), the tied parameters are ready early and the rows round adds
     two collectives and ``rows_bytes`` after the buckets; without it they
     are ready at the end of backward, whole. The schedule ([Note: buckets
@@ -122,18 +122,18 @@ def _tied_last(policy: LayoutPolicy, tied: Sequence[int]) -> tuple[list[int], li
     return order, [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
 
 
-def settle_tied(policy: LayoutPolicy, late_uses: LateUses) -> bool:
+def settle_tied(policy: LayoutPolicy, tied_rows: TiedRows) -> bool:
     """After the first step: keeps the tied split only where it pays; whether the layout changed.
 
     With a tuned cap, the split stays only where the link is the step (the
     schedule applies) and ``split_pays``; with a cap given, nothing was
     measured and it stays.
     """
-    if not late_uses.slots or not policy.tune_cap:
+    if not tied_rows.slots or not policy.tune_cap:
         return False
     position = {id(slot): i for i, slot in enumerate(policy.dense)}
-    tied = [position[id(slot)] for slot in late_uses.slots]
-    if policy.lengths is not None and split_pays(policy, tied, late_uses.rows_bytes):
+    tied = [position[id(slot)] for slot in tied_rows.slots]
+    if policy.lengths is not None and split_pays(policy, tied, tied_rows.rows_bytes):
         return False
     keep_whole(policy, tied)
     return True

@@ -205,7 +205,7 @@ class LayoutPolicy:
         # ended (seconds from the first; group rank 0's), for the schedule's buckets
         self.ready_s: Optional[list[float]] = None
         self.end_s = 0.0
-        self.rows_s = 0.0  # how long the first step's rows round of tied parameters took (late_uses.py)
+        self.rows_s = 0.0  # how long the first step's rows round of tied parameters took (tied_rows.py)
         self.lengths: Optional[list[int]] = None  # bucket lengths along `order` from the schedule, or None
 
     @property
@@ -287,7 +287,7 @@ def learn_layout(
         like: a tensor on the device and of the dtype the buckets use.
         ready_ns: ``time.perf_counter_ns()`` of each of ``first_ready`` (empty: not known here).
         end_ns: the same clock when backward ended.
-        rows_ns: how long the tied parameters' rows round took (late_uses.py), or 0.
+        rows_ns: how long the tied parameters' rows round took (tied_rows.py), or 0.
     """
     policy.learned = True
     if not policy.dense:

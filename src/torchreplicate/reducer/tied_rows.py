@@ -50,7 +50,7 @@ from torchreplicate.reducer.rounds import StepEnd
 from torchreplicate.reducer.switches import SyncSwitch
 
 
-class LateUses:
+class TiedRows:
     """The reducer's tied parameters and the gradients of their detached uses.
 
     Args:
