@@ -42,8 +42,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from torchreplicate.core.buffers import broadcast_buffers
-from torchreplicate.reducer.collectives import all_reduce, broadcast_coalesced
+from torchreplicate.reducer.collectives import broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import disable_join
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.reducer.collectives import Waiter, all_reduce
+from torchreplicate.reducer.reduction import Waiter, all_reduce
 
 logger = logging.getLogger("torchreplicate")
 

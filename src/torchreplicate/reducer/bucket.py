@@ -42,13 +42,12 @@ import torch
 from torch import nn
 
 from torchreplicate.errors import refuse_foreign_hooks
-from torchreplicate.reducer.collectives import Waiter
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.torch_internals import in_backward_optimizers, remove_in_backward_optimizer_hooks
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer.reduction import Reduction
+    from torchreplicate.reducer.reduction import Reduction, Waiter
 
 
 class ParamSlot:

@@ -1,4 +1,4 @@
-"""Set-up collectives (the cross-rank parameter check, coalesced broadcast) and the plain collective helpers.
+"""Set-up collectives: the cross-rank parameter check and the coalesced broadcast.
 
 Plain ``@torch.no_grad()`` functions over explicit arguments. Each is called
 at the same point on every rank, so each rank launches the same collectives.
@@ -7,13 +7,14 @@ at the same point on every rank, so each rank launches the same collectives.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional, Protocol, Sequence, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import format_option_mismatch, format_param_mismatch
 from torchreplicate.reducer.dtensors import describe_placement
+from torchreplicate.reducer.reduction import Waiter, wait_for
 
 
 def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -86,35 +87,6 @@ def is_transport_error(error: BaseException) -> bool:
     """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
     text = str(error)
     return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
-
-
-class Waiter(Protocol):
-    """Waits for a collective's work: the stall watchdog (``StallWatch.wait`` in watchdog.py)."""
-
-    def wait(self, work: dist.Work) -> None:
-        """Returns when ``work`` completed; raises its error, or the watchdog's."""
-
-
-def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
-    """Waits for ``work`` through ``waiter`` (the stall watchdog), or plainly when None."""
-    if waiter is None:
-        work.wait()
-    else:
-        waiter.wait(work)
-
-
-def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter] = None, *, async_op: bool = False
-) -> Optional[dist.Work]:
-    """``dist.all_reduce`` (a sum), under the group's own timeout, as DDP's; waited through ``waiter``.
-
-    With ``async_op`` the work is returned, for ``wait_for(work, waiter)``.
-    """
-    work = cast(dist.Work, dist.all_reduce(tensor, group=group, async_op=True))
-    if async_op:
-        return work
-    wait_for(work, waiter)
-    return None
 
 
 @torch.no_grad()

@@ -7,19 +7,23 @@ DDP-style comm hook. The reducer drives either through the same calls:
 ``bind`` once per bucket layout, then per synchronised backward ``absorb`` /
 ``fold`` a fresh local gradient into its slot, ``launch`` and ``wait`` each
 bucket in index order, and ``reduce_flags`` once every bucket is back.
+
+The step's collectives are here, with what they need: the process group,
+held weakly (``WeakGroup``), ``all_reduce`` and ``wait_for``, which wait
+through the stall watchdog (``Waiter``); the rounds after the buckets and
+the set-up collectives (collectives.py) use the same two.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Optional, Sequence, cast
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import complex_wire_error
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.collectives import Waiter, all_reduce, wait_for
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
@@ -54,6 +58,35 @@ class WeakGroup:
                 "forward and backward only while its group exists"
             )
         return group
+
+
+class Waiter(Protocol):
+    """Waits for a collective's work: the stall watchdog (``StallWatch.wait`` in watchdog.py)."""
+
+    def wait(self, work: dist.Work) -> None:
+        """Returns when ``work`` completed; raises its error, or the watchdog's."""
+
+
+def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
+    """Waits for ``work`` through ``waiter`` (the stall watchdog), or plainly when None."""
+    if waiter is None:
+        work.wait()
+    else:
+        waiter.wait(work)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter] = None, *, async_op: bool = False
+) -> Optional[dist.Work]:
+    """``dist.all_reduce`` (a sum), under the group's own timeout, as DDP's; waited through ``waiter``.
+
+    With ``async_op`` the work is returned, for ``wait_for(work, waiter)``.
+    """
+    work = cast(dist.Work, dist.all_reduce(tensor, group=group, async_op=True))
+    if async_op:
+        return work
+    wait_for(work, waiter)
+    return None
 
 
 class Reduction:
@@ -254,15 +287,11 @@ class AllReduce(Reduction):
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        # dist.all_reduce, not collectives.all_reduce: the hot path, one call less per bucket
-        bucket.work = cast(dist.Work, dist.all_reduce(wire, group=self.weak_group.get(), async_op=True))
+        bucket.work = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
 
     def wait(self, bucket: Bucket) -> None:
         work, bucket.work = bucket.work, None
-        if self._waiter is None:
-            work.wait()
-        else:
-            self._waiter.wait(work)
+        wait_for(work, self._waiter)
         wire = self.wires[bucket.index]
         if wire is not bucket.buffer:
             bucket.grads.copy_(wire[: bucket.numel])

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket
-from torchreplicate.reducer.collectives import all_reduce
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe
+from torchreplicate.reducer.reduction import all_reduce
 
 
 class StepEnd(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.collectives import all_reduce
+from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.reducer.rounds import StepEnd
 
 

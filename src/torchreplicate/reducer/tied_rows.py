@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import GradLayout, ParamSlot
-from torchreplicate.reducer.collectives import Waiter, all_reduce
+from torchreplicate.reducer.reduction import Waiter, all_reduce
 from torchreplicate.reducer.rounds import StepEnd
 from torchreplicate.reducer.switches import SyncSwitch
 
