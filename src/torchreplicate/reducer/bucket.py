@@ -296,7 +296,29 @@ class GradLayout:
 
         ``num_early`` buckets (a prefix) were launched from hooks, so their
         parameters' ``.grad`` were detached and may hold late gradients.
+        A parameter no rank used keeps ``grad=None``.
         """
+        late: LateGrads = {}
+        for bucket in buckets:
+            early = bucket.index < num_early
+            for slot in bucket.slots:
+                param = slot.param
+                if early:
+                    if param.grad is not None:
+                        late[slot.index] = slot.plain(param.grad)
+                    param.grad = self._early_average(slot)
+                elif slot.index in sums.unused_everywhere:
+                    param.grad = None
+                else:
+                    self._point_at_average(slot)
+        return late
+
+    def _early_average(self, slot: ParamSlot) -> torch.Tensor:
+        # What .grad becomes for a slot of a bucket launched from a hook.
+        raise NotImplementedError
+
+    def _point_at_average(self, slot: ParamSlot) -> None:
+        # Points a used slot's .grad (of a bucket launched at the end) at its average.
         raise NotImplementedError
 
 
@@ -349,25 +371,18 @@ class ViewLayout(GradLayout):
         return True
 
     def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
-        late: LateGrads = {}
-        if not sums.unused_everywhere and not sums.any_late:
-            for bucket in buckets:  # the ordinary step
-                for slot in bucket.slots:
-                    slot.param.grad = slot.grad_obj
-            return late
-        for bucket in buckets:
-            early = bucket.index < num_early
+        if sums.unused_everywhere or sums.any_late:
+            return super().restore(buckets, sums, num_early)
+        for bucket in buckets:  # the ordinary step: every .grad is its slot's view
             for slot in bucket.slots:
-                param = slot.param
-                if early:
-                    if param.grad is not None:
-                        late[slot.index] = slot.plain(param.grad)
-                    param.grad = slot.grad_obj
-                elif slot.index in sums.unused_everywhere:
-                    param.grad = None
-                elif param.grad is not slot.grad_obj:
-                    param.grad = slot.grad_obj
-        return late
+                slot.param.grad = slot.grad_obj
+        return {}
+
+    def _early_average(self, slot: ParamSlot) -> torch.Tensor:
+        return slot.grad_obj
+
+    def _point_at_average(self, slot: ParamSlot) -> None:
+        slot.param.grad = slot.grad_obj
 
 
 class CopyLayout(GradLayout):
@@ -391,26 +406,18 @@ class CopyLayout(GradLayout):
         reduction.absorb(slot.plain(grad), slot)
         return True
 
-    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
-        late: LateGrads = {}
-        for bucket in buckets:
-            early = bucket.index < num_early
-            for slot in bucket.slots:
-                param = slot.param
-                if early:
-                    if param.grad is not None:
-                        late[slot.index] = slot.plain(param.grad)
-                    held = slot.held
-                    assert held is not None, "set aside by detach()"
-                    local(held).copy_(slot.view)
-                    param.grad = held
-                elif slot.index in sums.unused_everywhere:
-                    param.grad = None
-                elif param.grad is None:
-                    param.grad = grad_wrapper(slot.view.clone(), param)
-                else:
-                    local(param.grad).copy_(slot.view)
-        return late
+    def _early_average(self, slot: ParamSlot) -> torch.Tensor:
+        held = slot.held
+        assert held is not None, "set aside by detach()"
+        local(held).copy_(slot.view)
+        return held
+
+    def _point_at_average(self, slot: ParamSlot) -> None:
+        param = slot.param
+        if param.grad is None:
+            param.grad = grad_wrapper(slot.view.clone(), param)
+        else:
+            local(param.grad).copy_(slot.view)
 
 
 def grad_layout(gradient_as_bucket_view: bool) -> GradLayout:
