@@ -124,9 +124,7 @@ def install_plan(
     ``token`` (broadcast too) names the watchdog's keys and starts it.
     """
     learned: Optional[Learned] = None
-    if state.tied is not None:
-        state.tied.remove()
-        state.tied = None
+    state.drop_tied()
     if state.reducer is not None:
         learned = state.reducer.learned
         state.reducer.remove_hooks()

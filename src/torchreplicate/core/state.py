@@ -17,7 +17,7 @@ next forward broadcasts buffers, outputs cast, and a hook on each output
 that queues the reducer's end-of-backward work. They move the module's
 ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a forward
 recomputed inside a backward stays ``BACKWARD``; the first forward outside
-one after a backward that raised ends that step, ``abandon_step``). Both
+one after a backward that raised ends that step, ``Reducer.end_failed_step``). Both
 hooks run at every forward, so they stay flat: the state's bound methods,
 registered directly, with no wrapper layers between.
 """
@@ -50,7 +50,6 @@ from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     compiled_autograd_enabled,
-    in_backward,
     join_enabled,
     num_composable_states,
     num_in_backward_optimizer_params,
@@ -189,9 +188,10 @@ class ReplicateState:
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
-        self._drop_tied()  # the hook sees each parameter's whole gradient in its bucket (setup.to_split)
+        self.drop_tied()  # the hook sees each parameter's whole gradient in its bucket (setup.to_split)
 
-    def _drop_tied(self) -> None:
+    def drop_tied(self) -> None:
+        """Removes the tied holders' hooks: the plan changes, or a comm hook now sees every gradient whole."""
         if self.tied is not None:
             self.tied.remove()
             self.tied = None
@@ -215,7 +215,7 @@ class ReplicateState:
         self._handles.clear()
         if self.mixed is not None:
             self.mixed.remove()
-        self._drop_tied()
+        self.drop_tied()
         if self.reducer is not None:
             self.reducer.remove_hooks()
             self.reducer = None
@@ -329,8 +329,8 @@ class ReplicateState:
         if self.joining:  # inside a Join context ([Note: join] in join.py)
             buffer_source = training_join_round(self).source
         lifecycle = self.lifecycle
-        if lifecycle.now is TrainingState.BACKWARD and not in_backward() and self.reducer is not None:
-            self.reducer.abandon_step()  # the last backward raised before its end ran: on every rank
+        if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
+            self.reducer.end_failed_step()  # outside a backward: the last one raised before its end ran
         self.num_forwards += 1
         self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
         plan = self.plan

@@ -36,7 +36,7 @@ watchdog names this rank. The reducer holds the callback it queued only
 weakly, so the first gradient hook of the next backward (a retry on a
 retained graph) sees it gone; the next forward with gradients sees the
 module still in ``BACKWARD`` outside any backward. Either ends the failed
-step (``abandon_step``): it waits for the collectives the step launched, so
+step (``end_failed_step``): it waits for the collectives the step launched, so
 every rank's sequence stays one, and sets every replicated parameter's
 ``.grad`` to None, as ``zero_grad(set_to_none=True)`` would, with a warning:
 the partial sums are neither this rank's gradients nor their average. The
@@ -86,7 +86,7 @@ from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.tied_rows import TiedRows
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
-from torchreplicate.torch_internals import PROFILER, queue_end_of_backward_callback
+from torchreplicate.torch_internals import PROFILER, in_backward, queue_end_of_backward_callback
 
 
 class Reducer:
@@ -241,8 +241,7 @@ class Reducer:
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
-        if lifecycle.now is TrainingState.BACKWARD and self._end() is None:
-            self.abandon_step()  # the last backward raised: [Note: a backward that raised]
+        self.end_failed_step()  # if the last backward raised: [Note: a backward that raised]
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
@@ -420,12 +419,16 @@ class Reducer:
             raise desync_error(self.group, self.flags.clock.steps, digest, num_steps, sums.clocks_agree)
         return sums
 
-    def abandon_step(self) -> None:
-        """Ends a synchronised backward that raised before its end ran ([Note: a backward that raised]).
+    def end_failed_step(self) -> None:
+        """Ends the last synchronised backward if it raised before its end ran ([Note: a backward that raised]).
 
-        Waits for the collectives it launched, sets every replicated
+        Its end is gone when the engine let go of the callback queued for it,
+        or when the module is still in ``BACKWARD`` with no backward running.
+        Then: waits for the collectives it launched, sets every replicated
         parameter's ``.grad`` to None (with a warning) and starts clean.
         """
+        if self.lifecycle.now is not TrainingState.BACKWARD or (self._end() is not None and in_backward()):
+            return
         for bucket in self.buckets[: self.num_launched]:
             if bucket.work is not None:
                 self.reduction.wait(bucket)
