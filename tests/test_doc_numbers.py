@@ -1,4 +1,4 @@
-"""The docs stay true to their sources: numbers to named cells of result files, result files to commits, names to the code.
+"""The docs stay true to their sources: numbers to cells of result files, result files to commits, names to code.
 
 **Cells.** A number quoted from a result file is followed at once by a
 marker naming the cell it comes from, a JSON file under benchmarks/results/
@@ -84,7 +84,9 @@ COMMIT_NOT_IN_HISTORY: dict[str, str] = {}
 RECORDED_FROM_UNCOMMITTED = {
     "watchdog_scale": "7d04afb + the roll call, not yet committed (roll_call.py, watchdog.py, state.py)",
     "archive/net_issue24_100mbit": "b033eeb + edits to core/plan.py and core/state.py",
-    "archive/net_issue24_1gbit_before": "b033eeb's script, 8ca25a9's library (PYTHONPATH); plan.py, state.py edited, not run",
+    "archive/net_issue24_1gbit_before": (
+        "b033eeb's script, 8ca25a9's library (PYTHONPATH); plan.py, state.py edited, not run"
+    ),
 }
 
 CELL = re.compile(
@@ -265,17 +267,23 @@ def test_the_check_fails_on_a_changed_number_a_lost_marker_and_a_wrong_cell(tmp_
     times = CELL.search(next(b for _, b in _blocks(readme) if "setup_times.json" in b))
     assert times and "." not in times["number"]
     later = str(int(times["number"].replace(",", "")) + 7)
-    assert any(later in p for p in problems_with(readme.replace(times.group(), times.group().replace(times["number"], later, 1), 1)))
+    slower = readme.replace(times.group(), times.group().replace(times["number"], later, 1), 1)
+    assert any(later in p for p in problems_with(slower))
 
 
 def test_the_parts_of_the_check():
-    assert rounds_to("0.93", 0.929) and rounds_to("121.0", 121.02) and rounds_to("62", 61.75) and rounds_to("1,000", 1000)
+    assert rounds_to("0.93", 0.929) and rounds_to("121.0", 121.02) and rounds_to("62", 61.75)
+    assert rounds_to("1,000", 1000)
     assert not rounds_to("0.93", 0.936) and not rounds_to("1.05", 1.0) and not rounds_to("61", 61.75)
     block = "ours 0.93<!-- cell: a.json x.y --> and 1.5 ms, 4 MiB, 70 s, 2.13.0, `x=0.5`, 8×Linear, 2 ranks, 1,000"
     assert unmarked_numbers(block) == ["1.5", "4", "70", "1,000"]
     assert [m["number"] for m in CELL.finditer(block)] == ["0.93"]
     assert unmarked_numbers("0.98-1.02x [0.909-0.978], 2 all-reduces in 2fc8115, v1.2") == [
-        "0.98", "1.02", "0.909", "0.978", "2"
+        "0.98",
+        "1.02",
+        "0.909",
+        "0.978",
+        "2",
     ]
     assert _blocks("a\n\n```\n1.5 s\n```\n\nb 2 s\nc\n") == [(1, "a"), (7, "b 2 s\nc\n")]  # code left out
 

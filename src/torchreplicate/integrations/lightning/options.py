@@ -15,8 +15,8 @@ from torch import nn
 
 from torchreplicate.api import replicate
 from torchreplicate.config import ReplicateConfig, to_ignored_modules
-from torchreplicate.ddp_args import DDP_POSITIONAL_ORDER
 from torchreplicate.core.registry import enclosing_state, find_state
+from torchreplicate.ddp_args import DDP_POSITIONAL_ORDER
 
 # The strategy decides these: the module is on the strategy's device and is
 # averaged over the world group, which Lightning's DistributedSampler splits
