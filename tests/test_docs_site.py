@@ -9,8 +9,8 @@ temporary folder, as scripts/test.sh does into site/). Then:
   browser opening the site reaches no network;
 - the README's relative links point at files of the repository, and its
   ``#anchors`` at its own headings;
-- headless Chromium opens the home page and the API page from a local HTTP
-  server: the rendered DOM holds the expected text, and the screenshots are
+- headless Chromium opens the home page, the API page and the migration
+  page from a local HTTP server: the rendered DOM holds the expected text, and the screenshots are
   real images, not blank. Without Chromium (``apt-get install chromium``;
   scripts/setup.sh installs it as root) this test skips, saying so, except
   under CI (the ``CI`` variable set) running as root, where it fails: there
@@ -242,6 +242,13 @@ PAGES = {
         "set_requires_gradient_sync",
         "verify_replicas",
         "FabricReplicateStrategy",
+    ],
+    "migration.html": [
+        "Where it differs from DDP",
+        "isinstance(model, DistributedDataParallel)",
+        "bucket_layout",
+        "_register_builtin_comm_hook",
+        "stall_timeout=None",
     ],
 }
 

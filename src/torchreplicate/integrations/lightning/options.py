@@ -35,6 +35,8 @@ _DDP_ARGUMENT_INSTEAD = {
         "under the strategy every rank starts from rank 0's weights; to keep each rank's own, call "
         "replicate(model, init_sync=False) in a loop of your own"
     ),
+    "device_ids": "the strategy moves the module to its device",
+    "output_device": "the strategy moves the module to its device",
     "forward_sync_buffers": (
         "pass broadcast_buffers= (False skips the broadcast before forwards, and the one at set-up, which "
         "forward_sync_buffers=False keeps)"
