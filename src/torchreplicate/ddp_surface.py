@@ -20,7 +20,8 @@ instance attribute shadows anyway.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,40 +152,42 @@ def ignored_by_name(module: nn.Module, ignored_modules: tuple[nn.Module, ...]) -
 # attributes and methods"; tests/test_ddp_attributes.py against DDP).
 
 # DDP's attributes with nothing behind them here: why, and what to use instead.
-NOT_HERE = {
-    "reducer": (
-        "DDP's C++ dist.Reducer; replicate() has its own reducer in Python, replicate.state(model).reducer, "
-        "which is not a dist.Reducer: register comm hooks with model.register_comm_hook(state, hook)"
-    ),
-    "logger": (
-        "DDP's C++ dist.Logger; model._get_ddp_logging_data() answers DDP's construction-time keys, and "
-        "torchreplicate.trace(model) or log_summary(model) time every step"
-    ),
-    "to_kwargs": (
-        "DDP's copy of the inputs to device_ids[0] (kept by DDP for backward compatibility); replicate() "
-        "runs the module on its inputs as given: move them with .to(device) first"
-    ),
-    "use_side_stream_for_tensor_copies": (
-        "DDP's switch (PYTORCH_DDP_USE_SIDE_STREAM) for copying inputs to the device; replicate() copies no "
-        "inputs: move them with .to(device, non_blocking=True) yourself"
-    ),
-    "broadcast_bucket_size": (
-        "DDP's 250 MiB bucket for the set-up broadcast; replicate() broadcasts the parameters and buffers of "
-        "each device in one collective, with no size to set"
-    ),
-    "bucket_bytes_cap_list": (
-        "DDP's caps per bucket (bucket_cap_mb_list); replicate() has one cap for every bucket but the first: "
-        "model.bucket_bytes_cap, and first_bucket_cap_mb= for the first"
-    ),
-    "skip_all_reduce_unused_params": (
-        "accepted by replicate() for DDP call sites and not kept: it changes nothing here (the averages are "
-        "the same); unused parameters are always handled"
-    ),
-    "batched_grad_copy": (
-        "accepted by replicate() for DDP call sites and not kept: it changes nothing here (gradients are "
-        "views into their buckets, gradient_as_bucket_view=True, or copied one bucket at a time)"
-    ),
-}
+NOT_HERE: Mapping[str, str] = MappingProxyType(
+    {
+        "reducer": (
+            "DDP's C++ dist.Reducer; replicate() has its own reducer in Python, replicate.state(model).reducer, "
+            "which is not a dist.Reducer: register comm hooks with model.register_comm_hook(state, hook)"
+        ),
+        "logger": (
+            "DDP's C++ dist.Logger; model._get_ddp_logging_data() answers DDP's construction-time keys, and "
+            "torchreplicate.trace(model) or log_summary(model) time every step"
+        ),
+        "to_kwargs": (
+            "DDP's copy of the inputs to device_ids[0] (kept by DDP for backward compatibility); replicate() "
+            "runs the module on its inputs as given: move them with .to(device) first"
+        ),
+        "use_side_stream_for_tensor_copies": (
+            "DDP's switch (PYTORCH_DDP_USE_SIDE_STREAM) for copying inputs to the device; replicate() copies no "
+            "inputs: move them with .to(device, non_blocking=True) yourself"
+        ),
+        "broadcast_bucket_size": (
+            "DDP's 250 MiB bucket for the set-up broadcast; replicate() broadcasts the parameters and buffers of "
+            "each device in one collective, with no size to set"
+        ),
+        "bucket_bytes_cap_list": (
+            "DDP's caps per bucket (bucket_cap_mb_list); replicate() has one cap for every bucket but the first: "
+            "model.bucket_bytes_cap, and first_bucket_cap_mb= for the first"
+        ),
+        "skip_all_reduce_unused_params": (
+            "accepted by replicate() for DDP call sites and not kept: it changes nothing here (the averages are "
+            "the same); unused parameters are always handled"
+        ),
+        "batched_grad_copy": (
+            "accepted by replicate() for DDP call sites and not kept: it changes nothing here (gradients are "
+            "views into their buckets, gradient_as_bucket_view=True, or copied one bucket at a time)"
+        ),
+    }
+)
 
 
 def _module_buffers(state: ReplicateState) -> list[tuple[str, torch.Tensor]]:
