@@ -39,9 +39,10 @@ fi
 # The interpreter the venv is made from: PYTHON=python3.11 (any >= 3.10) where python3 is older.
 PYTHON=${PYTHON:-python3}
 new_enough='import sys; sys.exit(sys.version_info < (3, 10))'
+venv_works() { .venv/bin/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; }
 # A first run that failed (Debian/Ubuntu without python3-venv: `python -m venv` stops at ensurepip)
 # leaves a .venv without pip, which later runs would reuse and fail on: rebuild it.
-if [ -e .venv ] && ! { .venv/bin/python -c "$new_enough" && .venv/bin/python -m pip --version; } >/dev/null 2>&1; then
+if [ -e .venv ] && ! venv_works; then
   echo "setup.sh: .venv has no working pip or a Python older than 3.10 (a first run that failed?); rebuilding it" >&2
   rm -rf .venv
 fi
@@ -51,7 +52,7 @@ if [ ! -x .venv/bin/python ]; then
       "PYTHON=python3.11 bash scripts/$(basename "$0") (any python >= 3.10)" >&2
     exit 1
   fi
-  if ! "$PYTHON" -m venv .venv || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  if ! "$PYTHON" -m venv .venv || ! venv_works; then
     rm -rf .venv
     echo "setup.sh: '$PYTHON -m venv' made no venv with pip; on Debian/Ubuntu install the venv module" \
       "(apt-get install python3-venv, or python3.X-venv for PYTHON=python3.X) and run this again" >&2

@@ -149,7 +149,7 @@ esac
 
 
 # What Debian's python3 without python3-venv leaves: a python with no pip.
-NO_PIP = 'case "$*" in "-m pip"*) echo "No module named pip" >&2; exit 1 ;; esac\n'
+NO_PIP = 'case "$*" in *pip*) echo "No module named pip" >&2; exit 1 ;; esac\n'
 
 
 def test_a_venv_left_without_pip_is_rebuilt(tmp_path):
