@@ -12,8 +12,8 @@ one intra-op thread per rank):
 
 1. timing, 2 ranks: engines ``local`` (no communication), ``ddp`` (torch
    DistributedDataParallel defaults), ``ddp_gbv`` (DDP with
-   ``gradient_as_bucket_view=True``) and ``ours`` (``replicate()`` defaults)
-   live side by side in one process group, each on its own model copy (same
+   ``gradient_as_bucket_view=True``), ``ours`` (``replicate()`` defaults) and
+   ``ours_tuned`` (``replicate(bucket_layout="tuned")``, the opt-in) live side by side in one process group, each on its own model copy (same
    init) with its own SGD, timed in interleaved rounds
    (``benchlib.rounds.run_rounds``). Afterwards, untimed: a torch.profiler
    pass counts collectives and their sizes for every engine, and a fresh
@@ -50,7 +50,8 @@ from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_
 from benchlib.rounds import run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_tensor_difference_us
 
-ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours")
+ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned")
+ENGINES_MEMORY = ("local", "ddp", "ddp_gbv", "ours")
 # world size 1: ``reducer`` is replicate() plus the reducer it builds at world
 # size 2 (at world size 1 it builds none), ``noop_hooks`` is one empty Python
 # post-accumulate-grad hook per parameter (the floor of any Python-hook reducer).
@@ -58,6 +59,9 @@ ENGINES_WS1 = ("local", "ours", "ddp", "reducer", "noop_hooks")
 RATIO_PAIRS = (
     ("ours", "ddp"),
     ("ours", "ddp_gbv"),
+    ("ours_tuned", "ddp"),
+    ("ours_tuned", "ddp_gbv"),
+    ("ours", "ours_tuned"),
     ("ours", "local"),
     ("ddp", "local"),
     ("ddp_gbv", "ddp"),
@@ -159,16 +163,20 @@ def _ws2_table(ws2: dict, world_size: int) -> list[str]:
     lines = [
         f"**World size {world_size}** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))",
         "",
-        "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv | exposed comm ms DDP / gbv / ours |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv "
+        "| tuned ms | tuned/DDP | tuned/DDP-gbv | ours/tuned | exposed comm ms DDP / gbv / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in ws2.items():
         e, x = m["engines"], m["exposed_comm_ms"]
+        tuned = f"{e['ours_tuned']['step_ms']['median']:.2f}" if "ours_tuned" in e else "n/a"
         lines.append(
             f"| {MODEL_TITLES.get(name, name)} | {m['n_params'] / 1e6:.2f}M ({m['n_tensors']}) "
             f"| {e['local']['step_ms']['median']:.2f} | {e['ddp']['step_ms']['median']:.2f} "
             f"| {e['ddp_gbv']['step_ms']['median']:.2f} | {e['ours']['step_ms']['median']:.2f} "
             f"| {fmt_ratio(m['ratios'].get('ours/ddp'))} | {fmt_ratio(m['ratios'].get('ours/ddp_gbv'))} "
+            f"| {tuned} | {fmt_ratio(m['ratios'].get('ours_tuned/ddp'))} "
+            f"| {fmt_ratio(m['ratios'].get('ours_tuned/ddp_gbv'))} | {fmt_ratio(m['ratios'].get('ours/ours_tuned'))} "
             f"| {x['ddp']:.2f} / {x['ddp_gbv']:.2f} / {x['ours']:.2f} |"
         )
     return lines
@@ -332,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["env"]["torchreplicate_file_in_ranks"] = out1[0].get("torchreplicate_file")
         report["world_size_1"] = aggregate(out1)
     if not args.no_memory:
-        mem_cfg = {"models": models, "engines": list(ENGINES_WS2), "first_steps": 3, "mem_steps": 3 if quick else 5}
+        mem_cfg = {"models": models, "engines": list(ENGINES_MEMORY), "first_steps": 3, "mem_steps": 3 if quick else 5}
         outm = phase(f"memory, {args.nprocs} ranks", memory_worker, args.nprocs, mem_cfg, MEMORY_ENV)
         report["memory"] = aggregate_memory(outm)
         report["memory_method"] = MEMORY_METHOD

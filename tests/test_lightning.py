@@ -89,6 +89,7 @@ def test_bitwise_equal_to_ddp(runs, framework, run):
         assert not mismatched, f"rank {rank}: not bitwise equal to strategy='ddp': {mismatched}"
         assert ours["strategy"] == "ReplicateStrategy"
         assert ours["collectives"] == ddp["collectives"], "barrier/broadcast/reduce differ from DDPStrategy's"
+        assert torch.equal(ours["rng"], ddp["rng"]), f"rank {rank}: the strategy moved torch's default generator"
         if framework == "trainer":
             assert ours["loss"] == ddp["loss"], "the loss logged with sync_dist=True differs"
             assert ours["model_is_module"], "trainer.model is not the LightningModule itself"
