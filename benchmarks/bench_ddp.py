@@ -24,7 +24,7 @@ one intra-op thread per rank):
 3. memory, 2 ranks: each engine in turn, peak RSS increase over the RSS
    of the bare model (``benchlib.memory``).
 
-Writes ``<out>/latest.json``, ``<out>/ratios.png`` and ``<out>/latest.md``
+Writes ``<out>/ddp_loopback.json``, ``<out>/ddp_loopback_ratios.png`` and ``<out>/ddp_loopback.md``
 (with ``--name NAME``: ``NAME.json``, ``NAME_ratios.png``, ``NAME.md``),
 and prints the markdown tables. Timings are reported, never asserted.
 """
@@ -300,7 +300,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     parser.add_argument("--no-instrument", action="store_true", help="skip the profiled reducer pass")
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
-    parser.add_argument("--name", default="latest", help="the result files' stem: NAME.json, NAME.md (default latest)")
+    parser.add_argument(
+        "--name", default="ddp_loopback", help="the result files' stem: NAME.json, NAME.md (default ddp_loopback)"
+    )
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
@@ -347,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank_file = report["env"].get("torchreplicate_file_in_ranks") or report["env"]["torchreplicate_file"]
     finish_report(report, started, rank_file, markdown_tables, args.out, args.name)
     try:
-        plot(report, os.path.join(args.out, "ratios.png" if args.name == "latest" else f"{args.name}_ratios.png"))
+        plot(report, os.path.join(args.out, f"{args.name}_ratios.png"))
     except Exception as error:  # the plot is optional
         print(f"[bench] plot skipped: {error!r}")
     for line in breakdown_warnings(

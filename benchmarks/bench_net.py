@@ -47,7 +47,7 @@ launches and is waited for (the library's step timeline), which splits
 ``ours - floor`` into launch delay, transfer below line rate and the tail
 after the last wait.
 
-Writes ``<out>/net.json``, ``<out>/net.md`` and ``<out>/net.png`` and prints
+Writes ``<out>/network.json``, ``<out>/network.md`` and ``<out>/network.png`` and prints
 the tables. Timings are reported, never asserted. Skips, saying why, where
 hosts cannot be made (not root, no ``ip``/``tc``, no namespaces).
 """
@@ -522,10 +522,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank_file = outs[0].get("torchreplicate_file")
         report["rates"][rate] = aggregate(outs, rate, extra_caps)
     report["method"] = METHOD
-    finish_report(report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "net")
+    finish_report(
+        report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "network"
+    )
     try:
-        plot(report, os.path.join(out_dir, "net.png"))
-        print(f"[net] wrote {os.path.join(out_dir, 'net.png')}")
+        plot(report, os.path.join(out_dir, "network.png"))
+        print(f"[net] wrote {os.path.join(out_dir, 'network.png')}")
     except Exception as error:  # the plot is optional
         print(f"[net] plot skipped: {error!r}")
     return 0

@@ -6,7 +6,7 @@ projection) accumulates one ``.grad`` per backward, complete only after its
 last use's gradient: the embedding lookup's, at the very end of backward. Its
 bucket, often the largest (8 MiB for a 8192 x 256 table), would leave only
 after backward, and the link would idle until then (measured: 59 ms of launch
-delay on a 6-layer GPT at 1 Gbit, benchmarks/results/net.md).
+delay on a 6-layer GPT at 1 Gbit, benchmarks/results/network.md).
 
 So the forward hands the first module that uses it (the one whose gradient
 comes last) a detached copy of the parameter (core/tied.py). The parameter's

@@ -16,6 +16,7 @@ from torch import nn
 from torchreplicate.api import replicate
 from torchreplicate.config import ReplicateConfig, to_ignored_modules
 from torchreplicate.core.registry import enclosing_state, find_state
+from torchreplicate.ddp_args import DDP_POSITIONAL_ORDER
 
 # The strategy decides these: the module is on the strategy's device and is
 # averaged over the world group, which Lightning's DistributedSampler splits
@@ -25,6 +26,21 @@ _SET_BY_STRATEGY = {
     "process_group": "the strategy averages over all its processes, as its sampler splits the data",
     "mesh": "the strategy averages over all its processes, as its sampler splits the data",
     "device_mesh": "the strategy averages over all its processes, as its sampler splits the data",
+}
+
+# DDP's constructor arguments that replicate() takes (ddp_args.py) and the
+# strategies do not (they take replicate()'s own options): what to pass instead.
+_DDP_ARGUMENT_INSTEAD = {
+    "init_sync": (
+        "under the strategy every rank starts from rank 0's weights; to keep each rank's own, call "
+        "replicate(model, init_sync=False) in a loop of your own"
+    ),
+    "device_ids": "the strategy moves the module to its device",
+    "output_device": "the strategy moves the module to its device",
+    "forward_sync_buffers": (
+        "pass broadcast_buffers= (False skips the broadcast before forwards, and the one at set-up, which "
+        "forward_sync_buffers=False keeps)"
+    ),
 }
 
 
@@ -49,6 +65,9 @@ def check_replicate_options(options: dict[str, Any], strategy: str) -> dict[str,
     for name in options:
         if name in _SET_BY_STRATEGY:
             raise TypeError(f"{strategy}: {name}= is not accepted: {_SET_BY_STRATEGY[name]}")
+        if name not in known and name in DDP_POSITIONAL_ORDER:
+            instead = _DDP_ARGUMENT_INSTEAD.get(name, f"pass replicate()'s own options ({', '.join(known)})")
+            raise TypeError(f"{strategy}: {name}= (DDP's constructor argument) is not accepted: {instead}")
         if name not in known:
             raise TypeError(
                 f"{strategy}: unknown option {name}=; it takes replicate()'s options: {', '.join(known)} "
