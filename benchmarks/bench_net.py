@@ -474,6 +474,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--out", default=None, help="output folder (default benchmarks/results; quick: /tmp/bench_net_quick)"
     )
     parser.add_argument("--timeout", type=float, default=900, help="per-rate launch timeout in seconds")
+    parser.add_argument("--name", default="network", help="the result files' stem: NAME.json, NAME.md, NAME.png")
     args = parser.parse_args(argv)
 
     quick = args.quick
@@ -523,11 +524,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["rates"][rate] = aggregate(outs, rate, extra_caps)
     report["method"] = METHOD
     finish_report(
-        report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "network"
+        report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, args.name
     )
     try:
-        plot(report, os.path.join(out_dir, "network.png"))
-        print(f"[net] wrote {os.path.join(out_dir, 'network.png')}")
+        plot(report, os.path.join(out_dir, f"{args.name}.png"))
+        print(f"[net] wrote {os.path.join(out_dir, f'{args.name}.png')}")
     except Exception as error:  # the plot is optional
         print(f"[net] plot skipped: {error!r}")
     return 0
