@@ -28,7 +28,10 @@ def check_in_place(rank, world_size):
         replicate.state(other)
     # a plain copy of the weights loads back into the replicated module
     model.load_state_dict(copy.deepcopy(model.state_dict()))
-    assert type(model).__name__ == "ReplicateMLP", f"rank {rank}: the replicated class is {type(model).__name__}"
+    # the subclass shows the model's own name; its qualified name says it is replicate()'s ([Note: the replicated
+    # class's name] in api.py): config.json's "architectures" and repr(model) name the user's class
+    assert (type(model).__name__, type(model).__qualname__) == ("MLP", "ReplicateMLP"), f"rank {rank}: {type(model)}"
+    assert repr(model).startswith("MLP("), f"rank {rank}: {repr(model)[:20]}"
 
 
 def test_in_place_contract(pools):
