@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from torchreplicate import replicate
+from torchreplicate.core.registry import find_state
 from torchreplicate.integrations.accelerate import ReplicateAccelerator, ReplicateTrainer, prepare_model
 
 STEPS = 10  # optimizer steps
@@ -128,11 +129,14 @@ def accelerate_run(out: Path, kind: str, precision: str) -> None:
     folder = out / f"mlp_{kind}_{precision}"
     accelerator.save_state(folder)
     unwrapped = accelerator.unwrap_model(prepared)
+    state = find_state(unwrapped)  # the options replicate() took: the user's, or mapped from accelerate's
     save(
         out,
         f"mlp_{kind}_{precision}",
         {
             "state_dict": cloned(unwrapped),
+            "options": None if state is None else (state.config.bucket_cap_mb, state.config.gradient_as_bucket_view),
+            "reduction": None if state is None else type(state.reduction).__name__,
             "all_reduces": count_all_reduces(profiled),
             "wrapped": type(prepared).__name__,
             "unwrapped_is_model": unwrapped is model,

@@ -106,6 +106,11 @@ def test_accelerate_loop_bitwise_equal_to_accelerate_ddp(runs, kind, precision):
         assert ours["unwrapped_is_model"], f"rank {rank}: accelerator.unwrap_model did not give the model back"
         assert not ours["warnings"], f"rank {rank}: warnings: {ours['warnings']}"
     assert ddp["wrapped"] == "DistributedDataParallel", "the reference did not run under DDP"
+    # replicate()'s options: the user's for a model replicated first, else mapped from DistributedDataParallelKwargs
+    expected = {"replicated_first": (1, True), "prepare_model_hook": (1, True)}.get(kind, (None, True))
+    assert ours["options"] == expected, f"replicate() took {ours['options']}, expected {expected}"
+    hooked = "HookReduction" if kind.endswith("_hook") else "AllReduce"
+    assert ours["reduction"] == hooked, f"the reduction is {ours['reduction']}: accelerate's comm hook not mapped"
     assert_trained(ours["state_dict"], accelerate_runs.mlp(0).state_dict())  # rank 0's start, which every rank took
 
 
