@@ -12,8 +12,8 @@ one intra-op thread per rank):
 
 1. timing, 2 ranks: engines ``local`` (no communication), ``ddp`` (torch
    DistributedDataParallel defaults), ``ddp_gbv`` (DDP with
-   ``gradient_as_bucket_view=True``) and ``ours`` (``replicate()`` defaults)
-   live side by side in one process group, each on its own model copy (same
+   ``gradient_as_bucket_view=True``), ``ours`` (``replicate()`` defaults) and
+   ``ours_tuned`` (``replicate(bucket_layout="tuned")``, the opt-in) live side by side in one process group, each on its own model copy (same
    init) with its own SGD, timed in interleaved rounds
    (``benchlib.rounds.run_rounds``). Afterwards, untimed: a torch.profiler
    pass counts collectives and their sizes for every engine, and a fresh
@@ -24,7 +24,7 @@ one intra-op thread per rank):
 3. memory, 2 ranks: each engine in turn, peak RSS increase over the RSS
    of the bare model (``benchlib.memory``).
 
-Writes ``<out>/latest.json``, ``<out>/ratios.png`` and ``<out>/latest.md``
+Writes ``<out>/ddp_loopback.json``, ``<out>/ddp_loopback_ratios.png`` and ``<out>/ddp_loopback.md``
 (with ``--name NAME``: ``NAME.json``, ``NAME_ratios.png``, ``NAME.md``),
 and prints the markdown tables. Timings are reported, never asserted.
 """
@@ -50,7 +50,8 @@ from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_
 from benchlib.rounds import run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_tensor_difference_us
 
-ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours")
+ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned")
+ENGINES_MEMORY = ("local", "ddp", "ddp_gbv", "ours")
 # world size 1: ``reducer`` is replicate() plus the reducer it builds at world
 # size 2 (at world size 1 it builds none), ``noop_hooks`` is one empty Python
 # post-accumulate-grad hook per parameter (the floor of any Python-hook reducer).
@@ -58,6 +59,9 @@ ENGINES_WS1 = ("local", "ours", "ddp", "reducer", "noop_hooks")
 RATIO_PAIRS = (
     ("ours", "ddp"),
     ("ours", "ddp_gbv"),
+    ("ours_tuned", "ddp"),
+    ("ours_tuned", "ddp_gbv"),
+    ("ours", "ours_tuned"),
     ("ours", "local"),
     ("ddp", "local"),
     ("ddp_gbv", "ddp"),
@@ -159,16 +163,20 @@ def _ws2_table(ws2: dict, world_size: int) -> list[str]:
     lines = [
         f"**World size {world_size}** (gloo, 1 thread/rank; step time = median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max))",
         "",
-        "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv | exposed comm ms DDP / gbv / ours |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | params (tensors) | local ms | DDP ms | DDP-gbv ms | ours ms | ours/DDP | ours/DDP-gbv "
+        "| tuned ms | tuned/DDP | tuned/DDP-gbv | ours/tuned | exposed comm ms DDP / gbv / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in ws2.items():
         e, x = m["engines"], m["exposed_comm_ms"]
+        tuned = f"{e['ours_tuned']['step_ms']['median']:.2f}" if "ours_tuned" in e else "n/a"
         lines.append(
             f"| {MODEL_TITLES.get(name, name)} | {m['n_params'] / 1e6:.2f}M ({m['n_tensors']}) "
             f"| {e['local']['step_ms']['median']:.2f} | {e['ddp']['step_ms']['median']:.2f} "
             f"| {e['ddp_gbv']['step_ms']['median']:.2f} | {e['ours']['step_ms']['median']:.2f} "
             f"| {fmt_ratio(m['ratios'].get('ours/ddp'))} | {fmt_ratio(m['ratios'].get('ours/ddp_gbv'))} "
+            f"| {tuned} | {fmt_ratio(m['ratios'].get('ours_tuned/ddp'))} "
+            f"| {fmt_ratio(m['ratios'].get('ours_tuned/ddp_gbv'))} | {fmt_ratio(m['ratios'].get('ours/ours_tuned'))} "
             f"| {x['ddp']:.2f} / {x['ddp_gbv']:.2f} / {x['ours']:.2f} |"
         )
     return lines
@@ -292,7 +300,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     parser.add_argument("--no-instrument", action="store_true", help="skip the profiled reducer pass")
     parser.add_argument("--out", default=RESULTS_DIR, help="output folder (default benchmarks/results)")
-    parser.add_argument("--name", default="latest", help="the result files' stem: NAME.json, NAME.md (default latest)")
+    parser.add_argument(
+        "--name", default="ddp_loopback", help="the result files' stem: NAME.json, NAME.md (default ddp_loopback)"
+    )
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
@@ -330,7 +340,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["env"]["torchreplicate_file_in_ranks"] = out1[0].get("torchreplicate_file")
         report["world_size_1"] = aggregate(out1)
     if not args.no_memory:
-        mem_cfg = {"models": models, "engines": list(ENGINES_WS2), "first_steps": 3, "mem_steps": 3 if quick else 5}
+        mem_cfg = {"models": models, "engines": list(ENGINES_MEMORY), "first_steps": 3, "mem_steps": 3 if quick else 5}
         outm = phase(f"memory, {args.nprocs} ranks", memory_worker, args.nprocs, mem_cfg, MEMORY_ENV)
         report["memory"] = aggregate_memory(outm)
         report["memory_method"] = MEMORY_METHOD
@@ -339,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank_file = report["env"].get("torchreplicate_file_in_ranks") or report["env"]["torchreplicate_file"]
     finish_report(report, started, rank_file, markdown_tables, args.out, args.name)
     try:
-        plot(report, os.path.join(args.out, "ratios.png" if args.name == "latest" else f"{args.name}_ratios.png"))
+        plot(report, os.path.join(args.out, f"{args.name}_ratios.png"))
     except Exception as error:  # the plot is optional
         print(f"[bench] plot skipped: {error!r}")
     for line in breakdown_warnings(

@@ -30,7 +30,7 @@ gradients of backward, in the first bucket (ours and DDP).
 Afterwards (untimed): collectives per step and their payload
 (``benchlib.collectives.count_wire``), and the largest parameter difference between our
 engine and DDP's after the same steps (both average the same gradients, so
-it is rounding). Writes ``<out>/dynamic.json`` and ``<out>/dynamic.md`` and
+it is rounding). Writes ``<out>/unused_parameters.json`` and ``<out>/unused_parameters.md`` and
 prints the tables. Timings are reported, never asserted.
 """
 
@@ -266,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         m["collectives_rank1"] = out[1]["models"][key]["collectives"]
         m["max_param_diff"] = {k: max(r["models"][key]["max_param_diff"][k] for r in out) for k in m0["max_param_diff"]}
     report["results"] = results
-    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "dynamic")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "unused_parameters")
     return 0
 
 

@@ -23,7 +23,7 @@ DDP's included) and, for ours, the bytes the link calibration sent
 model's budget and within none (the sizes every model timed before the
 budget): the caps the two choose on the same link.
 
-Writes ``<out>/first_step.json`` and ``<out>/first_step.md`` and prints the
+Writes ``<out>/first_steps.json`` and ``<out>/first_steps.md`` and prints the
 table. Timings are reported, never asserted; on a shared machine they are
 noisy: read the medians.
 """
@@ -270,7 +270,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = launch_phase("first steps, 2 ranks", worker, cfg, nprocs=2, timeout_s=args.timeout, tag="bench_first_step")
     report["results"] = aggregate(out, models)
     report["cap_comparison"] = out[0].get("cap_comparison", {})
-    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "first_step")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "first_steps")
     return 0
 
 

@@ -42,7 +42,7 @@ for (DDP's C++ reducer). Payload = bytes of the tensors handed in, per step
 and rank. Also reported: the largest parameter difference between ours and
 DDP's engine of a variant after the same steps (same math: rounding only).
 
-Writes ``<out>/hooks.json`` and ``<out>/hooks.md`` and prints the table.
+Writes ``<out>/comm_hooks.json`` and ``<out>/comm_hooks.md`` and prints the table.
 Timings are reported, never asserted.
 """
 
@@ -328,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     report["results"] = results
     report["refused"] = out[0]["refused"]
-    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "hooks")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "comm_hooks")
     return 0
 
 

@@ -18,8 +18,10 @@ side by side in interleaved rounds (``benchlib.rounds.run_rounds``):
 - ``fwd``: forward and loss of the ``local`` model, no backward (the part of
   a step no gradient communication can overlap);
 - ``ddp`` / ``ddp_gbv``: torch DDP defaults / with ``gradient_as_bucket_view=True``;
-- ``ours``: ``replicate()`` defaults (the bucket cap is tuned in the first
-  step from a measured link, the launch order from readiness);
+- ``ours``: ``replicate()`` defaults (DDP's 25 MiB cap, the launch order
+  from the first backward's readiness; reproducible);
+- ``ours_tuned``: ``replicate(bucket_layout="tuned")``, the opt-in (the cap,
+  the bucket ends and the tied split chosen from the first step's timings);
 - ``ours_bf16``: ``replicate(reduce_dtype=torch.bfloat16)``;
 - ``ddp_bf16``: DDP defaults with torch's stock ``bf16_compress_hook``;
 - ``allreduce``: one gloo all-reduce of ``ours``' wire bytes per step and
@@ -45,7 +47,7 @@ launches and is waited for (the library's step timeline), which splits
 ``ours - floor`` into launch delay, transfer below line rate and the tail
 after the last wait.
 
-Writes ``<out>/net.json``, ``<out>/net.md`` and ``<out>/net.png`` and prints
+Writes ``<out>/network.json``, ``<out>/network.md`` and ``<out>/network.png`` and prints
 the tables. Timings are reported, never asserted. Skips, saying why, where
 hosts cannot be made (not root, no ``ip``/``tc``, no namespaces).
 """
@@ -78,11 +80,13 @@ from benchlib.timeline import bucket_wire_bytes, summarize_trace, trace_steps
 from hostnet import parse_rate
 from torchreplicate import replicate
 
-ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16", "allreduce", "fwd_ar_opt")
+ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ours_tuned", "ddp_bf16", "ours_bf16", "allreduce", "fwd_ar_opt")
 TRACED = ("ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16")  # the engines that communicate through a model
 RATIO_PAIRS = (
     ("ours", "ddp"),
     ("ours", "ddp_gbv"),
+    ("ours_tuned", "ddp"),
+    ("ours_tuned", "ddp_gbv"),
     ("ours", "local"),
     ("ddp_gbv", "ddp"),
     ("ours_bf16", "ddp"),
@@ -174,7 +178,7 @@ def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
     ``fwd`` shares ``local``'s model.
     """
     engines: dict[str, Any] = {}
-    for kind in ("local", "ddp", "ddp_gbv", "ours"):
+    for kind in ("local", "ddp", "ddp_gbv", "ours", "ours_tuned"):
         engines[kind] = build_engine(kind, model_name)
     engines["fwd"] = ForwardOnly(model_name, engines["local"].module)
     torch.manual_seed(0)
@@ -291,8 +295,9 @@ def markdown_tables(report: dict) -> str:
         "",
         "| model | rate | S MiB | local ms | fwd ms | comm ms | floor ms | all-reduce ms | DDP ms | DDP-gbv ms | ours ms "
         "| ours/DDP | ours/DDP-gbv | ours/floor | DDP-gbv/floor | ours/local "
-        "| fwd+AR+opt ms | measured floor ms | **ours/measured floor** | DDP/measured floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+AR+opt ms | measured floor ms | **ours/measured floor** | DDP/measured floor "
+        "| tuned ms | tuned/DDP | tuned/DDP-gbv |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate, name, m in rows:
         e, f, r = m["engines"], m["floors"], m["ratios"]
@@ -303,7 +308,8 @@ def markdown_tables(report: dict) -> str:
             f"| **{fmt_ratio(r.get('ours/ddp'))}** | {fmt_ratio(r.get('ours/ddp_gbv'))} "
             f"| {fmt_ratio(r.get('ours/floor'))} | {_med(r.get('ddp_gbv/floor'))} | {_med(r.get('ours/local'))} "
             f"| {_ms(e, 'fwd_ar_opt')} | {f.get('measured_ms', float('nan')):.1f} "
-            f"| **{fmt_ratio(r.get('ours/measured_floor'))}** | {fmt_ratio(r.get('ddp/measured_floor'))} |"
+            f"| **{fmt_ratio(r.get('ours/measured_floor'))}** | {fmt_ratio(r.get('ddp/measured_floor'))} "
+            f"| {_ms(e, 'ours_tuned')} | {fmt_ratio(r.get('ours_tuned/ddp'))} | {fmt_ratio(r.get('ours_tuned/ddp_gbv'))} |"
         )
     lines += [
         "",
@@ -516,10 +522,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         rank_file = outs[0].get("torchreplicate_file")
         report["rates"][rate] = aggregate(outs, rate, extra_caps)
     report["method"] = METHOD
-    finish_report(report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "net")
+    finish_report(
+        report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, "network"
+    )
     try:
-        plot(report, os.path.join(out_dir, "net.png"))
-        print(f"[net] wrote {os.path.join(out_dir, 'net.png')}")
+        plot(report, os.path.join(out_dir, "network.png"))
+        print(f"[net] wrote {os.path.join(out_dir, 'network.png')}")
     except Exception as error:  # the plot is optional
         print(f"[net] plot skipped: {error!r}")
     return 0

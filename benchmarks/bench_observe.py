@@ -25,7 +25,7 @@ Then, untimed by the rounds: the time of one ``verify_replicas(model)`` call
 recorder alone, fed one synthetic step of each model's event pattern
 (nanoseconds per step, no process group: the floor of ``trace``'s cost).
 
-Writes ``<out>/observe.json`` and ``<out>/observe.md`` and prints the table.
+Writes ``<out>/observer_cost.json`` and ``<out>/observer_cost.md`` and prints the table.
 Timings are reported, never asserted.
 """
 
@@ -230,7 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the time other processes took the core (this machine's cores are shared)
         m["cpu_ratios"] = per_round_ratios({k: e["per_round_cpu_ms"] for k, e in m["engines"].items()}, PAIRS)
     report["results"] = results
-    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "observe")
+    finish_report(report, started, out[0]["torchreplicate_file"], markdown, args.out, "observer_cost")
     return 0
 
 

@@ -11,7 +11,7 @@ commit), time from the kill to the first committed step after it, the
 newcomer's heal (its first quorum, checkpoint fetch included) and its start
 to first commit, and the median step time before the kill, with torchft and
 without. Timings on a shared 2-core machine are indicative; they are never
-test assertions. Writes ``results/torchft.{md,json}``.
+test assertions. Writes ``results/torchft_recovery.{md,json}``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    """Runs both engines, prints the table and writes results/torchft.{md,json}."""
+    """Runs both engines, prints the table and writes results/torchft_recovery.{md,json}."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=256, help="hidden width of the 3-layer MLP (default 256)")
     parser.add_argument("--steps", type=int, default=40, help="committed steps per run (default 40)")
@@ -163,7 +163,7 @@ def main() -> None:
                 print(engine, kill, json.dumps(runs[kill]), flush=True)
             runs["plain_step_ms"] = plain_step_ms(plain, args.hidden, args.steps, Path(scratch))
             report["engines"][engine] = runs
-    finish_report(report, started, None, table, args.out, "torchft")
+    finish_report(report, started, None, table, args.out, "torchft_recovery")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ Then a model fitted to (3), the diagnosis past its two heartbeat periods as
 seconds of store work (before: a * N^2, every survivor reads every counter;
 after: b * N + c * N^2, the published roll call's bytes), extrapolated to
 1,000 and 10,000 ranks with each protocol's real heartbeat period at the
-default ``stall_timeout`` of 60 s. Writes ``<out>/watchdog.json`` and
-``<out>/watchdog.md``; timings are reported, never asserted.
+default ``stall_timeout`` of 60 s. Writes ``<out>/watchdog_scale.json`` and
+``<out>/watchdog_scale.md``; timings are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def main() -> None:
     report["model"] = model(report["measured"])
     import torchreplicate
 
-    finish_report(report, started, torchreplicate.__file__, table_of, args.out, "watchdog")
+    finish_report(report, started, torchreplicate.__file__, table_of, args.out, "watchdog_scale")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
 #   bash scripts/setup.sh --demo   only what scripts/demo.sh needs: torch, the package and matplotlib
 #                                  (the trace's picture); no root needed
 # torch comes from PyTorch's CPU index where no NVIDIA GPU is seen, else from pip's own sources;
-# TORCH_INDEX_URL overrides that (scripts/torch_index.sh says how). Idempotent: a second run installs
-# nothing new, and the development set includes the demo's.
+# TORCH_INDEX_URL overrides that (scripts/torch_index.sh says how). PYTHON picks the interpreter
+# (default python3; >= 3.10). Idempotent: a second run installs nothing new, and the development set
+# includes the demo's; a .venv left without pip by a failed first run is rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/torch_index.sh
@@ -18,7 +19,7 @@ case "${1:-dev}" in
 esac
 # Debian packages some tests need, installed where they are missing and we
 # can (root, apt-get); elsewhere those tests skip, saying why (except under
-# CI, where tests/test_docs_site.py fails without chromium):
+# CI as root, where tests/test_docs_site.py fails without chromium: this script would have installed it):
 # - iproute2 (`ip`, `tc`): the multi-host tests (tests/test_multinode.py);
 # - chromium: the docs site opened in a headless browser (tests/test_docs_site.py).
 PATH="$PATH:/usr/sbin:/sbin"
@@ -35,9 +36,28 @@ if [ "$mode" = dev ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; the
     apt_install chromium
   fi
 fi
+# The interpreter the venv is made from: PYTHON=python3.11 (any >= 3.10) where python3 is older.
 PYTHON=${PYTHON:-python3}
+new_enough='import sys; sys.exit(sys.version_info < (3, 10))'
+venv_works() { .venv/bin/python -c 'import sys, pip; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; }
+# A first run that failed (Debian/Ubuntu without python3-venv: `python -m venv` stops at ensurepip)
+# leaves a .venv without pip, which later runs would reuse and fail on: rebuild it.
+if [ -e .venv ] && ! venv_works; then
+  echo "setup.sh: .venv has no working pip or a Python older than 3.10 (a first run that failed?); rebuilding it" >&2
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+  if ! "$PYTHON" -c "$new_enough" >/dev/null 2>&1; then
+    echo "setup.sh: '$PYTHON' is missing or older than Python 3.10; install a newer one and run" \
+      "PYTHON=python3.11 bash scripts/$(basename "$0") (any python >= 3.10)" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -m venv .venv || ! venv_works; then
+    rm -rf .venv
+    echo "setup.sh: '$PYTHON -m venv' made no venv with pip; on Debian/Ubuntu install the venv module" \
+      "(apt-get install python3-venv, or python3.X-venv for PYTHON=python3.X) and run this again" >&2
+    exit 1
+  fi
 fi
 gpu=no
 if nvidia_gpu_present; then gpu=yes; fi

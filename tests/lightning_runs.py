@@ -52,7 +52,7 @@ def data() -> TensorDataset:
 
 def network() -> nn.Module:
     # a different start on each rank: the strategy must give every rank rank 0's
-    torch.manual_seed(7 + dist.get_rank() if dist.is_initialized() else 7)
+    torch.manual_seed(7 + int(os.environ.get("RANK", 0)))  # torchrun's rank: known before the group is up
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
 
 
@@ -113,7 +113,10 @@ def collectives(strategy: Any) -> dict[str, Any]:
 
 
 def result(module: nn.Module, **extra: Any) -> dict[str, Any]:
-    return {"state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()}, **extra}
+    # rng: torch's default generator after the run (each run seeds it in network()): a strategy
+    # that draws from it moves every later random number of the user's program
+    state_dict = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"state_dict": state_dict, "rng": torch.get_rng_state(), **extra}
 
 
 def save(out: Path, run: str, value: dict[str, Any]) -> None:

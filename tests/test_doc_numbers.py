@@ -1,21 +1,51 @@
-"""The docs stay true to their sources: numbers to the result files, result files to commits, names to the code.
+"""The docs stay true to their sources: numbers to cells of result files, result files to commits, names to code.
 
-- A number quoted from a result file stands after a marker
-  ``<!-- from: results/NAME.md -->`` (several files: comma-separated) and
-  must be a rounding of a number in that file (its markdown or its JSON):
-  ``0.93`` matches ``0.929``. The marker covers the rest of its paragraph
-  (to the next blank line; a whole table when it stands on the line before
-  it). A paragraph that links a result file and quotes decimal numbers with
-  no marker fails, so a quoted number cannot be left unchecked by leaving
-  the marker out.
-- Every result file names the commit it measured, and that commit is in the
-  repository's history (CI's clone is a full one); the files recorded from a
-  tree with uncommitted changes, or from a commit that is no longer in the
-  history, are listed here with what their pages say about it.
-- The evidence page cites, for each result file, the commit the file names.
-- Every ``torchreplicate`` name the API page documents (``::: name``) or the
-  pages write as a dotted path imports, and the API page documents only what
-  ``torchreplicate`` exports, except under a heading that names its module.
+**Cells.** A number quoted from a result file is followed at once by a
+marker naming the cell it comes from, a JSON file under benchmarks/results/
+and the dotted path of keys to the value (list positions as numbers; a
+superseded run is ``archive/NAME.json``)::
+
+    ours/DDP 0.927<!-- cell: ddp_loopback.json world_size_2.mlp.ratios.ours/ddp.median -->
+
+The quoted number must be the cell rounded to the quoted number's decimals
+(``0.927`` for 0.92656, ``62`` for 61.75; integers included, ``1,000`` for
+1000). ``* N`` or ``/ N`` after the key scales the cell first (``* 100`` for
+a percentage, ``/ 1048576`` for MiB from bytes). A wrong number, a key that
+names nothing and a file that does not exist all fail, naming the cells of
+that file that do hold the number. To find a cell for a number::
+
+    .venv/bin/python tests/test_doc_numbers.py ddp_loopback.json 0.927
+
+**Which numbers must carry one.** A measured number is one with decimals,
+or one followed by a unit (``s``, ``ms``, ``MiB``, ``GB``, ``%``, ``x``,
+``all-reduces``, ...); numbers in code, link targets and HTML comments, and
+versions (2.13.0), are not. Every measured number must carry a marker in
+
+- each paragraph, list item or table (a block between blank lines) that
+  names a result file (``results/NAME``) or carries a marker already;
+- each headline claim in ``HEADLINES`` below: the README's set-up times and
+  speed claim, the site's home page, the performance page's first figures.
+
+Old ``<!-- from: -->`` markers are refused. ``test_the_check_fails_on_a_
+changed_number_a_lost_marker_and_a_wrong_cell`` shows on a scratch copy of
+the README that each of those mistakes fails.
+
+**Adding a result.** A benchmark run writes ``NAME.json`` and ``NAME.md``
+into benchmarks/results/ (one current file per benchmark; move the run it
+supersedes to ``archive/``, rewriting the markers that named it). Then add
+a row to the index on docs/performance.md (``test_the_performance_page_
+indexes_every_current_result_file`` fails until there is one) and a row to
+the evidence page, and quote it with cell markers as above.
+
+**Commits.** Every result file names the commit it measured, and that commit
+is in the repository's history (CI's clone is a full one); the files
+recorded from a tree with uncommitted changes are listed here with what their
+pages say about it. The evidence page cites, for each result file, the
+commit the file names.
+
+**Names.** Every ``torchreplicate`` name the API page documents (``::: name``)
+or the pages write as a dotted path imports, and the API page documents only
+what ``torchreplicate`` exports, except under a heading that names its module.
 
 docs/contributing.md describes the markers.
 """
@@ -24,11 +54,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any, Iterable
 
 import pytest
 
@@ -36,98 +67,237 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+# Headline claims: (document, words that find the block). Each must still be
+# there, and every measured number in it must carry a cell marker.
+HEADLINES = [
+    ("README.md", "Measured on the project's 2-core machine"),  # the set-up and run times
+    ("README.md", "A readable reducer at DDP's speed"),
+    ("docs/index.md", "of DDP's step time on three models"),
+    ("docs/performance.md", "The current run is"),
+    ("docs/performance.md", "world size 1, ours/local step"),
+    ("docs/patterns.md", "A parameter unused on one rank costs"),
+]
+
 # Result files whose measured commit is not in the history, with why; their pages say so.
 COMMIT_NOT_IN_HISTORY: dict[str, str] = {}
 # Result files recorded from a tree with uncommitted changes under src/ (env.git.src_status), with what changed.
 RECORDED_FROM_UNCOMMITTED = {
-    "watchdog": "7d04afb + the roll call, not yet committed (roll_call.py, watchdog.py, state.py)",
-    "net_issue24_100mbit": "b033eeb + edits to core/plan.py and core/state.py",
-    "net_issue24_1gbit_before": "b033eeb's script, 8ca25a9's library (PYTHONPATH); plan.py, state.py edited, not run",
+    "watchdog_scale": "7d04afb + the roll call, not yet committed (roll_call.py, watchdog.py, state.py)",
+    "archive/net_issue24_100mbit": "b033eeb + edits to core/plan.py and core/state.py",
+    "archive/net_issue24_1gbit_before": (
+        "b033eeb's script, 8ca25a9's library (PYTHONPATH); plan.py, state.py edited, not run"
+    ),
 }
 
-MARKER = re.compile(r"(?<!`)<!--\s*from:\s*(?P<files>[^>]*?)\s*-->")
-DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.]*\d)")  # 0.93, 121.0; not 2.13.0, not v1.2
-ANY_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+CELL = re.compile(
+    r"(?<![\w.,])(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)"
+    r"<!--\s*cell:\s*(?P<file>\S+\.json)\s+(?P<key>\S+)(?:\s*(?P<op>[*/])\s*(?P<factor>\d+(?:\.\d+)?))?\s*-->"
+)
+OLD_MARKER = re.compile(r"(?<!`)<!--\s*from:")
+COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
-RESULT_LINK = re.compile(r"results/(\w+)\.(?:md|json)")
+RESULT_LINK = re.compile(r"results/((?:archive/)?\w+)\.(?:md|json|png)")
+UNIT = r"(?:ms|µs|us|s|min|minutes|seconds|MiB|MB|GiB|GB|kB|KiB|%|x|×|all-reduces|collectives|requests)"
+# A measured number: decimals (not a version such as 2.13.0), or a unit after it.
+MEASURED = re.compile(
+    r"(?<![\w.,/])(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+(?![\d.]*\d)|\d+(?=\s?" + UNIT + r"(?![\w(])))"
+)
 DOTTED_NAME = re.compile(r"(?<![\w/.])torchreplicate(?:\.[A-Za-z_]\w*)+")
 HEX = re.compile(r"\b[0-9a-f]{7,40}\b")
-
-
-def _paragraph_after(text: str, start: int) -> str:
-    """From ``start`` to the next blank line."""
-    end = text.find("\n\n", start)
-    return text[start : end if end >= 0 else len(text)]
-
-
-def _decimals(text: str) -> list[str]:
-    """The decimal numbers ``text`` quotes, link targets and result-file names left out."""
-    return DECIMAL.findall(RESULT_LINK.sub("", LINK_TARGET.sub("](...)", text)))
-
-
-def _file_numbers(name: str) -> list[float]:
-    """Every number in result file ``name`` (its markdown and, where there is one, its JSON)."""
-    texts = [(RESULTS / f"{name}{suffix}") for suffix in (".md", ".json")]
-    return [float(n) for path in texts if path.exists() for n in ANY_NUMBER.findall(path.read_text())]
-
-
-def is_rounding_of(quoted: str, numbers: list[float]) -> bool:
-    """Whether ``quoted`` (say "0.93") is one of ``numbers`` rounded to its decimals (0.929, 0.9301, ...)."""
-    places = len(quoted.split(".")[1])
-    value = float(quoted)
-    half = 0.5 * 10**-places + 1e-12
-    return any(math.isfinite(n) and abs(n - value) <= half for n in numbers)
-
-
-def quoted_from_files(text: str) -> list[tuple[list[str], str, str]]:
-    """Each marker's files, the text it covers and the decimals in that text."""
-    found = []
-    for match in MARKER.finditer(text):
-        files = [Path(f.strip()).stem for f in match["files"].split(",") if f.strip()]
-        covered = _paragraph_after(text, match.end() + (1 if text[match.end() : match.end() + 1] == "\n" else 0))
-        for number in _decimals(covered):
-            found.append((files, number, covered.splitlines()[0][:80] if covered else ""))
-    return found
 
 
 def _relative(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
 
-def test_each_quoted_number_is_a_rounding_of_a_number_in_its_result_file():
-    wrong, checked = [], 0
-    for document in DOCUMENTS:
-        for files, number, where in quoted_from_files(document.read_text()):
-            missing = [f for f in files if not (RESULTS / f"{f}.md").exists()]
-            assert not missing, f"{_relative(document)}: a marker names result files that do not exist: {missing}"
-            numbers = [n for f in files for n in _file_numbers(f)]
+def cell_value(file: str, key: str, results: Path = RESULTS) -> Any:
+    """The value at dotted ``key`` of result file ``file`` (``archive/NAME.json`` for a superseded run).
+
+    A key that holds dots itself (``ours.fp16_hook/ddp.fp16_hook``) is found
+    whole: at each level the longest run of parts that names a key wins.
+    """
+    value: Any = json.loads((results / file).read_text())
+    parts, start = key.split("."), 0
+    while start < len(parts):
+        if isinstance(value, list) and parts[start].lstrip("-").isdigit():
+            value, start = value[int(parts[start])], start + 1
+            continue
+        for end in range(len(parts), start, -1):
+            if isinstance(value, dict) and ".".join(parts[start:end]) in value:
+                value, start = value[".".join(parts[start:end])], end
+                break
+        else:
+            raise KeyError(f"{file}: no {parts[start]!r} at {key!r}")
+    return value
+
+
+def rounds_to(quoted: str, value: float) -> bool:
+    """Whether ``quoted`` (say "0.93", "1,000") is ``value`` rounded to its decimals."""
+    text = quoted.replace(",", "")
+    places = len(text.split(".")[1]) if "." in text else 0
+    return abs(value - float(text)) <= 0.5 * 10**-places + 1e-9
+
+
+def cells_holding(file: str, quoted: str, results: Path = RESULTS) -> list[str]:
+    """The keys of ``file`` whose number rounds to ``quoted``: where a quoted number may come from."""
+    found = []
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for name, inner in value.items():
+                walk(inner, f"{key}.{name}" if key else str(name))
+        elif isinstance(value, list):
+            for index, inner in enumerate(value):
+                walk(inner, f"{key}.{index}" if key else str(index))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and rounds_to(quoted, value):
+            found.append(key)
+
+    walk(json.loads((results / file).read_text()), "")
+    return found
+
+
+def _prose(block: str) -> str:
+    """A block with what holds no quoted number blanked: comments, code spans, link targets."""
+    for pattern in (COMMENT, CODE_SPAN, LINK_TARGET):
+        block = pattern.sub(lambda m: " " * len(m.group()), block)
+    return block
+
+
+def _blocks(text: str) -> list[tuple[int, str]]:
+    """The blocks of ``text`` between blank lines (fenced code blanked out), with their first line numbers."""
+    text = FENCE.sub(lambda m: "\n" * m.group().count("\n"), text)
+    blocks, line = [], 1
+    for block in re.split(r"(\n\s*\n)", text):
+        if block.strip() and not re.fullmatch(r"\n\s*\n", block):
+            blocks.append((line, block))
+        line += block.count("\n")
+    return blocks
+
+
+def unmarked_numbers(block: str) -> list[str]:
+    """The measured numbers of ``block`` that no cell marker follows."""
+    marked = {match.start("number") for match in CELL.finditer(block)}
+    prose = _prose(block)
+    return [m["number"] for m in MEASURED.finditer(prose) if m.start("number") not in marked]
+
+
+def check_documents(documents: Iterable[Path], root: Path = ROOT, results: Path = RESULTS) -> tuple[list[str], int]:
+    """Every problem with the numbers of ``documents``, and how many cells were checked."""
+    problems, checked = [], 0
+    texts = {str(path.relative_to(root)): path.read_text() for path in documents}
+    for name, text in texts.items():
+        if OLD_MARKER.search(text):
+            problems.append(f"{name}: an old <!-- from: --> marker; name the cell of each number (<!-- cell: -->)")
+        for match in CELL.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            where = f"{name}:{line}: {match['number']} from {match['file']} {match['key']}"
+            if not (results / match["file"]).is_file():
+                problems.append(f"{where}: no result file {match['file']}")
+                continue
+            try:
+                value = cell_value(match["file"], match["key"], results)
+            except (KeyError, IndexError) as error:
+                problems.append(f"{where}: {error}")
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                problems.append(f"{where}: the cell holds {value!r}, not a number")
+                continue
+            if match["op"]:
+                factor = float(match["factor"])
+                value = value * factor if match["op"] == "*" else value / factor
             checked += 1
-            if not is_rounding_of(number, numbers):
-                wrong.append(f"{_relative(document)}: {number} is in none of {files} (near {where!r})")
-    assert not wrong, "numbers that their result files do not hold:\n" + "\n".join(wrong)
-    assert checked >= 20, f"only {checked} numbers are quoted under markers: have markers gone missing?"
+            if not rounds_to(match["number"], value):
+                holding = cells_holding(match["file"], match["number"], results)[:5]
+                problems.append(f"{where}: the cell holds {value!r}; cells holding {match['number']}: {holding}")
+        for line, block in _blocks(text):
+            cites = RESULT_LINK.search(block) or CELL.search(block)
+            unmarked = unmarked_numbers(block) if cites else []
+            if unmarked:
+                problems.append(f"{name}:{line}: measured numbers with no cell marker: {unmarked}")
+    for name, words in HEADLINES:
+        if name not in texts:
+            continue
+        found = [(line, block) for line, block in _blocks(texts[name]) if words in " ".join(block.split())]
+        if not found:
+            problems.append(f"{name}: the headline claim {words!r} is gone (update HEADLINES if it moved)")
+        for line, block in found:
+            if not CELL.search(block):
+                problems.append(f"{name}:{line}: the headline claim {words!r} names no cell")
+            unmarked = unmarked_numbers(block)
+            if unmarked:
+                problems.append(f"{name}:{line}: the headline claim {words!r} quotes numbers with no cell: {unmarked}")
+    return problems, checked
 
 
-def test_a_paragraph_that_cites_a_result_file_with_numbers_has_a_marker():
-    unmarked = []
-    for document in DOCUMENTS:
-        for paragraph in re.split(r"\n\s*\n", document.read_text()):
-            if RESULT_LINK.search(paragraph) and _decimals(paragraph) and not MARKER.search(paragraph):
-                unmarked.append(f"{_relative(document)}: {paragraph.strip().splitlines()[0][:100]!r}")
-    assert not unmarked, (
-        "paragraphs that cite a result file and quote numbers with no <!-- from: results/NAME.md --> marker"
-        " (docs/contributing.md):\n" + "\n".join(unmarked)
-    )
+def test_every_quoted_number_is_its_cell_and_every_measured_number_has_one():
+    problems, checked = check_documents(DOCUMENTS)
+    assert not problems, "numbers the result files do not back (tests/test_doc_numbers.py):\n" + "\n".join(problems)
+    assert checked >= 100, f"only {checked} cells are quoted: have markers gone missing?"
 
 
-def test_the_number_check_itself():
-    assert is_rounding_of("0.93", [0.929]) and is_rounding_of("121.0", [121.02]) and is_rounding_of("1.5", [1.46])
-    assert not is_rounding_of("0.93", [0.936]) and not is_rounding_of("1.05", [1.0])
-    text = "a\n\n<!-- from: results/latest.md -->\nours 0.93 of DDP, torch 2.13.0, [x](results/latest.md)\n1.5\n\nz 9.9"
-    assert [(files, number) for files, number, _ in quoted_from_files(text)] == [
-        (["latest"], "0.93"),
-        (["latest"], "1.5"),
+def test_the_check_fails_on_a_changed_number_a_lost_marker_and_a_wrong_cell(tmp_path):
+    scratch = tmp_path / "README.md"
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if "A readable reducer at DDP's speed" in line)
+    first = CELL.search(line)
+    assert first, "the README's speed headline carries no cell marker"
+
+    def problems_with(text: str) -> list[str]:
+        scratch.write_text(text)
+        return check_documents([scratch], root=tmp_path)[0]
+
+    assert problems_with(readme) == []
+    # a quoted number changed by one in its last digit
+    number = first["number"]
+    changed = number[:-1] + str((int(number[-1]) + 1) % 10)
+    wrong = problems_with(readme.replace(first.group(), first.group().replace(number, changed, 1), 1))
+    assert any(f"{changed} from {first['file']}" in p and "the cell holds" in p for p in wrong), wrong
+    # the marker deleted: the headline's number is unmarked
+    bare = problems_with(readme.replace(first.group(), number, 1))
+    assert any("no cell" in p and number in p for p in bare), bare
+    # the marker pointing at another cell
+    moved = problems_with(readme.replace(first["key"], first["key"].replace("mlp", "gpt"), 1))
+    assert any("the cell holds" in p for p in moved), moved
+    # a key that names nothing, and a file that does not exist
+    assert any("no 'nothing'" in p for p in problems_with(readme.replace(first["key"], "nothing", 1)))
+    assert any("no result file" in p for p in problems_with(readme.replace(first["file"], "gone.json", 1)))
+    # integers are checked too: the set-up time
+    times = CELL.search(next(b for _, b in _blocks(readme) if "setup_times.json" in b))
+    assert times and "." not in times["number"]
+    later = str(int(times["number"].replace(",", "")) + 7)
+    slower = readme.replace(times.group(), times.group().replace(times["number"], later, 1), 1)
+    assert any(later in p for p in problems_with(slower))
+
+
+def test_the_parts_of_the_check():
+    assert rounds_to("0.93", 0.929) and rounds_to("121.0", 121.02) and rounds_to("62", 61.75)
+    assert rounds_to("1,000", 1000)
+    assert not rounds_to("0.93", 0.936) and not rounds_to("1.05", 1.0) and not rounds_to("61", 61.75)
+    block = "ours 0.93<!-- cell: a.json x.y --> and 1.5 ms, 4 MiB, 70 s, 2.13.0, `x=0.5`, 8×Linear, 2 ranks, 1,000"
+    assert unmarked_numbers(block) == ["1.5", "4", "70", "1,000"]
+    assert [m["number"] for m in CELL.finditer(block)] == ["0.93"]
+    assert unmarked_numbers("0.98-1.02x [0.909-0.978], 2 all-reduces in 2fc8115, v1.2") == [
+        "0.98",
+        "1.02",
+        "0.909",
+        "0.978",
+        "2",
     ]
+    assert _blocks("a\n\n```\n1.5 s\n```\n\nb 2 s\nc\n") == [(1, "a"), (7, "b 2 s\nc\n")]  # code left out
+
+
+def test_the_performance_page_indexes_every_current_result_file():
+    text = (ROOT / "docs" / "performance.md").read_text()
+    index = text[text.index("## The result files") :]
+    index = index[: index.index("\n## ", 4)]
+    current = sorted(path.stem for path in RESULTS.glob("*.md"))
+    missing = [name for name in current if f"(results/{name}.md)" not in index]
+    assert not missing, f"current result files the index on docs/performance.md lacks: {missing}"
+    archived = [name for name in RESULT_LINK.findall(index) if name.startswith("archive/")]
+    assert not archived, f"the index lists superseded runs as current: {archived}"
+    assert not [p.name for p in RESULTS.iterdir() if p.is_file() and p.suffix not in (".md", ".json", ".png")]
 
 
 # -- result files and commits --------------------------------------------------
@@ -152,8 +322,14 @@ def measured_commit(name: str) -> str:
     return env.get("source", {}).get("snapshot_commit") or env["git"]["head"]
 
 
+def _result_names(suffix: str) -> list[str]:
+    """Every result file with ``suffix``, current and archived, by name (``archive/NAME`` for the archived)."""
+    paths = [*RESULTS.glob(f"*{suffix}"), *(RESULTS / "archive").glob(f"*{suffix}")]
+    return sorted(str(path.relative_to(RESULTS).with_suffix("")) for path in paths)
+
+
 def _json_results() -> list[str]:
-    return sorted(path.stem for path in RESULTS.glob("*.json"))
+    return _result_names(".json")
 
 
 def test_every_result_file_names_a_commit_in_the_history(history):
@@ -162,12 +338,12 @@ def test_every_result_file_names_a_commit_in_the_history(history):
         f"result files whose commit is not in the history: {sorted(not_found)};"
         f" listed as such: {sorted(COMMIT_NOT_IN_HISTORY)}"
     )
-    for path in RESULTS.glob("*.md"):
-        if (RESULTS / f"{path.stem}.json").exists():
+    for name in _result_names(".md"):
+        if (RESULTS / f"{name}.json").exists():
             continue  # its JSON is checked above
-        named = [c for c in HEX.findall(path.read_text()) if not c.isdigit()]
-        assert named, f"{path.name} names no commit"
-        assert all(history(c) for c in named), f"{path.name} names commits not in the history: {named}"
+        named = [c for c in HEX.findall((RESULTS / f"{name}.md").read_text()) if not c.isdigit()]
+        assert named, f"{name}.md names no commit"
+        assert all(history(c) for c in named), f"{name}.md names commits not in the history: {named}"
 
 
 def test_a_result_file_from_uncommitted_changes_is_listed_and_says_so():
@@ -268,3 +444,9 @@ def test_the_api_page_documents_what_torchreplicate_exports():
     documented = {line[4:].strip().rpartition(".")[2] for line in text.splitlines() if line.startswith("::: ")}
     lacking = set(torchreplicate.__all__) - documented
     assert not lacking, f"exports the API page lacks: {sorted(lacking)}"
+
+
+if __name__ == "__main__":  # python tests/test_doc_numbers.py FILE NUMBER: the cells of FILE holding NUMBER
+    if len(sys.argv) != 3:
+        sys.exit("usage: python tests/test_doc_numbers.py ddp_loopback.json 0.927")
+    print("\n".join(cells_holding(sys.argv[1], sys.argv[2])) or f"no cell of {sys.argv[1]} rounds to {sys.argv[2]}")

@@ -89,6 +89,7 @@ def test_bitwise_equal_to_ddp(runs, framework, run):
         assert not mismatched, f"rank {rank}: not bitwise equal to strategy='ddp': {mismatched}"
         assert ours["strategy"] == "ReplicateStrategy"
         assert ours["collectives"] == ddp["collectives"], "barrier/broadcast/reduce differ from DDPStrategy's"
+        assert torch.equal(ours["rng"], ddp["rng"]), f"rank {rank}: the strategy moved torch's default generator"
         if framework == "trainer":
             assert ours["loss"] == ddp["loss"], "the loss logged with sync_dist=True differs"
             assert ours["model_is_module"], "trainer.model is not the LightningModule itself"
@@ -153,6 +154,15 @@ def test_options_are_checked_when_the_strategy_is_built(strategy):
         strategy(device_id=0)
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
         strategy(bucket_cap_mb=-1)
+    # DDP's constructor arguments that replicate() takes: refused, naming what to pass (docs/integrations.md)
+    with pytest.raises(TypeError, match=r"init_sync= \(DDP's constructor argument\).*init_sync=False\) in a loop"):
+        strategy(init_sync=False)
+    with pytest.raises(TypeError, match=r"forward_sync_buffers= \(DDP's constructor argument\).*broadcast_buffers="):
+        strategy(forward_sync_buffers=False)
+    with pytest.raises(TypeError, match=r"output_device= \(DDP's constructor argument\).*moves the module"):
+        strategy(output_device=0)
+    with pytest.raises(TypeError, match=r"check_reduction= \(DDP's constructor argument\).*bucket_cap_mb"):
+        strategy(check_reduction=True)
     with pytest.raises(TypeError, match="reduce_dtype must be a floating torch.dtype"):
         strategy(reduce_dtype=torch.int8)
     assert strategy(bucket_cap_mb=5, broadcast_buffers=False).replicate_options == {

@@ -95,7 +95,7 @@ def test_parity_tiny_buckets(pools, model_name, as_view, set_to_none):
 
 def wide_layouts(rank: int, world_size: int) -> tuple[int, list[int], int]:
     build, make_batch, loss_of = MODELS["wide"]
-    model = replicate(seeded(build, 1))
+    model = replicate(seeded(build, 1), bucket_layout="tuned")
     reducer = replicate.state(model).reducer
     before = len(reducer.buckets)
     for step in range(2):

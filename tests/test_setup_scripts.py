@@ -5,7 +5,10 @@ it is given (GPU seen, TORCH_INDEX_URL set, its value), so every case runs
 here without a GPU and without a network. setup.sh itself runs against a fake
 ``.venv/bin/python`` that records the pip commands it is given: the index
 options reach the torch install, the demo's set-up installs no development
-extra, and a second run installs nothing.
+extra, and a second run installs nothing. A fake interpreter given as
+``PYTHON=`` stands for the machine's python3: a ``.venv`` without pip (what a
+first run leaves on Debian/Ubuntu without ``python3-venv``) is rebuilt, and a
+python without the venv module or older than 3.10 is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -74,18 +77,30 @@ def _fake_checkout(tmp_path: Path) -> Path:
     (checkout / "scripts").mkdir(parents=True)
     for name in ("scripts/setup.sh", "scripts/torch_index.sh", "pyproject.toml"):
         shutil.copy(ROOT / name, checkout / name)
-    python = checkout / ".venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../pip.log"\n')
-    python.chmod(0o755)
+    _executable(checkout / ".venv" / "bin" / "python", WORKING_VENV_PYTHON)
     return checkout
 
 
-def _setup(checkout: Path, *args: str) -> list[str]:
-    env = dict(os.environ, TORCH_INDEX_URL="https://example.invalid/whl")
-    done = subprocess.run(
+# A venv's python that works (Python >= 3.10, with pip) and logs the pip installs it is given.
+WORKING_VENV_PYTHON = 'case "$*" in "-m pip install"*) echo "$*" >> "$(dirname "$0")/../pip.log" ;; esac\n'
+
+
+def _executable(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def _run_setup(checkout: Path, *args: str, python: str = "python3") -> subprocess.CompletedProcess:
+    env = dict(os.environ, TORCH_INDEX_URL="https://example.invalid/whl", PYTHON=python)
+    return subprocess.run(
         ["bash", "scripts/setup.sh", *args], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
     )
+
+
+def _setup(checkout: Path, *args: str, python: str = "python3") -> list[str]:
+    done = _run_setup(checkout, *args, python=python)
     assert done.returncode == 0, done.stderr
     log = checkout / ".venv" / "pip.log"
     return log.read_text().splitlines() if log.exists() else []
@@ -116,3 +131,52 @@ def test_an_unknown_argument_is_refused():
     done = subprocess.run(["bash", "scripts/setup.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "unknown argument '--gpu'" in done.stderr and "--demo" in done.stderr
+
+
+def _base_python(tmp_path: Path, venv_python: str, version_ok: bool = True) -> str:
+    """A fake interpreter for PYTHON=: ``-m venv DIR`` makes DIR/bin/python with ``venv_python`` as its body."""
+    return str(
+        _executable(
+            tmp_path / "base" / "python3",
+            f"""case "$1" in
+  -c) exit {0 if version_ok else 1} ;;
+  -m) [ "$2" = venv ] || exit 9
+      mkdir -p "$3/bin" && printf '#!/bin/sh\\n%s' '{venv_python}' > "$3/bin/python" && chmod +x "$3/bin/python" ;;
+esac
+""",
+        )
+    )
+
+
+# What Debian's python3 without python3-venv leaves: a python with no pip.
+NO_PIP = 'case "$*" in *pip*) echo "No module named pip" >&2; exit 1 ;; esac\n'
+
+
+def test_a_venv_left_without_pip_is_rebuilt(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    _executable(checkout / ".venv" / "bin" / "python", NO_PIP)  # a failed first run's venv
+    (checkout / ".venv" / ".torchreplicate-dev").write_text("a stamp from before\n")
+    done = _run_setup(checkout, "--demo", python=_base_python(tmp_path, WORKING_VENV_PYTHON))
+    assert done.returncode == 0, done.stderr
+    assert "no working pip" in done.stderr and "rebuilding it" in done.stderr
+    installs = (checkout / ".venv" / "pip.log").read_text().splitlines()
+    assert [line.split()[-1] for line in installs] == ["torch==2.13.0", ".[plot]"], installs
+    assert _setup(checkout, "--demo") == installs, "the rebuilt venv was not kept"
+
+
+def test_a_python_without_the_venv_module_is_named_and_leaves_no_venv(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    shutil.rmtree(checkout / ".venv")
+    done = _run_setup(checkout, "--demo", python=_base_python(tmp_path, NO_PIP))
+    assert done.returncode == 1
+    assert "apt-get install python3-venv" in done.stderr, done.stderr
+    assert not (checkout / ".venv").exists(), "a venv without pip was left for the next run to reuse"
+
+
+def test_a_python_older_than_3_10_is_refused_naming_python(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    shutil.rmtree(checkout / ".venv")
+    done = _run_setup(checkout, python=_base_python(tmp_path, WORKING_VENV_PYTHON, version_ok=False))
+    assert done.returncode == 1
+    assert "older than Python 3.10" in done.stderr and "PYTHON=python3.11 bash scripts/setup.sh" in done.stderr
+    assert not (checkout / ".venv").exists()

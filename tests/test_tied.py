@@ -275,7 +275,7 @@ def scheduled_tied(rank: int, world_size: int, split_kept: bool) -> tuple[Option
     if split_kept:
         schedule.split_pays = lambda *args: True
     try:
-        model = replicate(seeded(WideTiedLM, 11 + rank))
+        model = replicate(seeded(WideTiedLM, 11 + rank), bucket_layout="tuned")
         reference = seeded(WideTiedLM, 11)
         reducer = replicate.state(model).reducer
         for step in range(4):

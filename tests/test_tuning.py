@@ -72,7 +72,10 @@ class Tuned(NamedTuple):
 
 
 def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
-    options = {} if cap_mb is None else {"bucket_cap_mb": cap_mb, "first_bucket_cap_mb": cap_mb / 2}
+    # None: tuned; 0: the defaults (DDP's 25 MiB, nothing measured); else pinned
+    options: dict = {"bucket_layout": "tuned"} if cap_mb is None else {}
+    if cap_mb:
+        options = {"bucket_cap_mb": cap_mb, "first_bucket_cap_mb": cap_mb / 2}
     model = replicate(seeded(OutOfOrder, 1 + rank), **options)
     reference = seeded(OutOfOrder, 1)
     before = len(replicate.state(model).reducer.buckets)
@@ -90,21 +93,25 @@ def tuned(rank: int, world_size: int, cap_mb: float | None) -> Tuned:
         assert policy.tune_cap and MIN_CAP <= policy.cap_bytes <= MAX_CAP, (
             f"rank {rank}: the chosen cap {policy.cap_bytes} is outside [{MIN_CAP}, {MAX_CAP}]"
         )
-    else:  # pinned: never measured
-        assert not policy.tune_cap and policy.cap_bytes == int(cap_mb * 1024 * 1024), (
+    else:  # pinned, or DDP's 25 MiB by default: never measured
+        assert not policy.tune_cap and policy.link is None, f"rank {rank}: the link was measured"
+        assert policy.cap_bytes == int((cap_mb or 25) * 1024 * 1024), (
             f"rank {rank}: the pinned cap became {policy.cap_bytes}"
         )
     buckets = reducer.buckets
     return Tuned([s.name for s in buckets[0].slots], before, len(buckets), policy.cap_bytes)
 
 
-@pytest.mark.parametrize("cap_mb", [None, 0.001], ids=["tuned-cap", "pinned-tiny-cap"])
+@pytest.mark.parametrize("cap_mb", [None, 0.001, 0], ids=["tuned-cap", "pinned-tiny-cap", "default-cap"])
 def test_first_step_learns_the_launch_order(pools, cap_mb):
     results = pools.run(2, tuned, cap_mb)
     assert results[0] == results[1], f"the ranks chose different layouts or caps: {results}"
     r = results[0]
     if cap_mb is None:
         assert MIN_CAP <= r.cap_bytes <= MAX_CAP, r
+    elif cap_mb == 0:
+        # by default: learned order, DDP's cap; the launch order puts a's gradient (ready first) first
+        assert r.cap_bytes == 25 * 2**20 and r.first_bucket[0].startswith("a."), r
     else:
         # tiny buckets: the first bucket holds what backward readies first, a's
         assert r.first_bucket[0].startswith("a."), r
@@ -135,7 +142,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
 
     tuning.time = SkewedTime  # type: ignore[assignment]
     try:
-        model = replicate(seeded(WideStack, 1))
+        model = replicate(seeded(WideStack, 1), bucket_layout="tuned")
         reference = seeded(WideStack, 1)
         for step in range(2):
             x = [
@@ -182,7 +189,7 @@ def regime_change(rank: int, world_size: int) -> Regimes:
     # own layouts: test_buckets.py, test_parity.py's wide model)
     tuning.measure_link, tuning.RETUNE_EVERY, tuning.schedule = fake_measure, 3, lambda policy: None
     try:
-        model = replicate(seeded(WideStack, 1 + rank))
+        model = replicate(seeded(WideStack, 1 + rank), bucket_layout="tuned")
         reference = seeded(WideStack, 1)
         caps, layouts = [], []
         for step in range(7):
@@ -264,7 +271,7 @@ def calibration_traffic(rank: int, world_size: int, model_name: str) -> Calibrat
     saved = tuning.RETUNE_EVERY
     tuning.measure_link, tuning.RETUNE_EVERY = measuring, 6
     try:
-        model = replicate(seeded(model_class, 1 + rank))
+        model = replicate(seeded(model_class, 1 + rank), bucket_layout="tuned")
         reference = seeded(model_class, 1)
         for step in range(7):
             x = [torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)]

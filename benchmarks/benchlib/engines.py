@@ -23,12 +23,14 @@ from torchreplicate.reducer.reducer import Reducer
 # What build_engine makes:
 # - local: the bare model, no communication;
 # - ddp / ddp_gbv: torch DDP defaults / with gradient_as_bucket_view=True;
-# - ours: replicate() defaults;
+# - ours: replicate() defaults (reproducible: DDP's 25 MiB cap, nothing timed);
+# - ours_tuned: replicate(bucket_layout="tuned"): cap, bucket ends and the tied
+#   split chosen from timings of the first step (the opt-in; not reproducible);
 # - reducer: replicate(), plus the reducer it builds at world size 2 (at world
 #   size 1 it builds none): its bookkeeping when collectives are nearly free;
 # - noop_hooks: one empty Python post-accumulate-grad hook per parameter, the
 #   floor of any reducer driven by Python hooks.
-ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "reducer", "noop_hooks")
+ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "reducer", "noop_hooks")
 
 
 class Engine:
@@ -109,6 +111,8 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
         return Engine(kind, model_name, DDP(model, gradient_as_bucket_view=kind == "ddp_gbv"), model)
     if kind == "ours":
         return Engine(kind, model_name, replicate(model), model)
+    if kind == "ours_tuned":
+        return Engine(kind, model_name, replicate(model, bucket_layout="tuned"), model)
     if kind == "reducer":
         replicated = replicate(model)
         return Engine(kind, model_name, replicated, model, reducer=build_internal_reducer(replicated))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
@@ -238,13 +239,20 @@ def replicate(
             DTensors. Default: none (the world group).
         device_mesh: the same as ``mesh``, under DDP's name.
         bucket_cap_mb: gradients travel in buckets of about this many MiB.
-            Default None: the reducer measures the link in its first step and
-            picks the size (see tuning.py; 25 MiB until then); a number pins it.
+            Default None: DDP's 25 (with ``bucket_layout="tuned"``: chosen
+            from the link, measured in the first step).
         first_bucket_cap_mb: cap of the first bucket, small so the first
             collective starts early in backward. Default 1.
         bucket_layout: ``"learned"`` (default): after the first step, buckets follow the order gradients
-            became ready. ``"fixed"``: reverse registration order at the caps given, never rebuilt, the
-            same on a replica that joins later (torchft; needs ``bucket_cap_mb``).
+            became ready (as DDP rebuilds its buckets); reproducible, the same bits on every run of a
+            seeded job. ``"fixed"``: reverse registration order at the caps given, never rebuilt, the
+            same on a replica that joins later (torchft; needs ``bucket_cap_mb``). ``"tuned"``
+            (opt-in, like ``torch.backends.cudnn.benchmark``): also times the link in the first step
+            and chooses the cap and the bucket ends from those timings, and whether tied parameters'
+            uses are reduced apart; faster where the network is slower than compute, but the timings
+            decide which gradients are summed together, so a rerun can differ in the last bits.
+            Refused under ``torch.use_deterministic_algorithms(True)`` (a warning with
+            ``warn_only=True``). See tuning.py's [Note: tuning].
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
         broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm
@@ -381,6 +389,20 @@ def _refuse_unsupported(module: object) -> None:
         )
     if not isinstance(module, nn.Module):
         raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError(
+            "replicate(): got a torch.nn.parallel.DistributedDataParallel (wrapping "
+            f"{class_name(module.module)}): DDP already averages its gradients, and replicate() would "
+            "average them again. Pass the model itself: replicate(model), not replicate(DDP(model)) "
+            "(with DDP's options as keywords: replicate(model, device_ids=..., bucket_cap_mb=...))"
+        )
+    for name, inner in module.named_modules():
+        if isinstance(inner, DistributedDataParallel):
+            raise RuntimeError(
+                f"replicate(): the submodule {name!r} is a torch.nn.parallel.DistributedDataParallel: DDP "
+                "already averages its gradients, and replicate() would average them again. Keep its "
+                f"module instead (model.{name} = model.{name}.module) before replicate(model)"
+            )
     if find_state(module) is not None:
         raise AlreadyReplicatedError(
             f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Union, cast
@@ -20,7 +21,9 @@ from torchreplicate.seed_contract import (
     seed_device_id_text,
 )
 
-BUCKET_LAYOUTS = ("learned", "fixed")  # replicate(bucket_layout=...): see ReplicateConfig
+BUCKET_LAYOUTS = ("learned", "fixed", "tuned")  # replicate(bucket_layout=...): see ReplicateConfig
+MiB = 1024 * 1024
+DDP_DEFAULT_CAP_MB = 25  # DDP's bucket_cap_mb default, ours unless bucket_layout="tuned" measures the link
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,8 @@ class ReplicateConfig:
 
     ignored_modules: tuple[nn.Module, ...] = ()
     device_id: Optional[torch.device] = None
-    bucket_cap_mb: Optional[float] = None  # None: tuned by the reducer (tuning.py)
-    bucket_layout: str = "learned"  # "fixed": registration order and the caps given, never rebuilt
+    bucket_cap_mb: Optional[float] = None  # None: DDP's 25 MiB, or chosen from timings when "tuned"
+    bucket_layout: str = "learned"  # "fixed": never rebuilt; "tuned": from timings ([Note: tuning])
     first_bucket_cap_mb: float = 1.0
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True  # before forwards (DDP's forward_sync_buffers); core/buffers.py
@@ -57,6 +60,13 @@ class ReplicateConfig:
         if self.mp_policy is not None:
             return policy_dtypes(self.mp_policy)[1]
         return self.reduce_dtype
+
+    @property
+    def cap_bytes(self) -> Optional[int]:
+        """The bucket cap in bytes; None: measured by the reducer (``bucket_layout="tuned"``, [Note: tuning])."""
+        if self.bucket_layout == "tuned":
+            return None
+        return int((DDP_DEFAULT_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb) * MiB)
 
     @property
     def stall_timeout_s(self) -> Optional[float]:
@@ -100,26 +110,35 @@ class ReplicateConfig:
         if self.bucket_layout not in BUCKET_LAYOUTS:
             raise ValueError(
                 f"replicate(): bucket_layout must be one of {', '.join(map(repr, BUCKET_LAYOUTS))}, got "
-                f'{self.bucket_layout!r}; "fixed" keeps the buckets in reverse registration order at the '
-                'caps given (the same on a replica that joins later), "learned" (the default) reorders '
-                "them after the first step"
+                f'{self.bucket_layout!r}; "learned" (the default) reorders the buckets after the first step, '
+                '"fixed" keeps them in reverse registration order at the caps given (the same on a replica '
+                'that joins later), "tuned" also chooses their sizes from measured timings (faster on a slow '
+                "link, not reproducible bit for bit)"
             )
         if self.bucket_layout == "fixed" and self.bucket_cap_mb is None:
             raise ValueError(
-                'replicate(): bucket_layout="fixed" needs a bucket_cap_mb (None asks the reducer to '
-                "measure the link and choose, which a fixed layout never does); pass e.g. bucket_cap_mb=25"
+                'replicate(): bucket_layout="fixed" needs a bucket_cap_mb (a fixed layout is set by the '
+                "caps you give, once); pass e.g. bucket_cap_mb=25"
             )
+        if self.bucket_layout == "tuned":
+            if self.bucket_cap_mb is not None:
+                raise ValueError(
+                    f'replicate(): bucket_layout="tuned" chooses the bucket cap itself, got bucket_cap_mb='
+                    f'{self.bucket_cap_mb!r} too; drop bucket_cap_mb, or keep it with bucket_layout="learned" '
+                    "(the default)"
+                )
+            refuse_tuning_if_deterministic()
 
     def _check_sizes(self) -> None:
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
             if option == "bucket_cap_mb" and value is None:
-                continue  # tuned
+                continue  # DDP's 25 MiB, or measured when tuned
             if not _is_positive_finite(value):
                 raise ValueError(
                     f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
                     "finite value, e.g. 25 (a cap above the model's size gives one bucket), or leave "
-                    "bucket_cap_mb=None: the reducer measures the link and chooses"
+                    "bucket_cap_mb=None: DDP's 25"
                 )
         stall = self.stall_timeout
         if stall is not None and not _is_positive_finite(self.stall_timeout_s):
@@ -150,6 +169,33 @@ class ReplicateConfig:
                 "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
                 f"None for the mean over ranks), got {factor!r}; it must be finite"
             )
+
+
+def refuse_tuning_if_deterministic() -> None:
+    """Refuses ``bucket_layout="tuned"`` under ``torch.use_deterministic_algorithms(True)``.
+
+    Tuning lets measured timings decide which gradients share a bucket, so
+    which bytes the all-reduce sums together, and so the result's last bits
+    from run to run: exactly what deterministic mode asks to rule out (as it
+    rules out ``torch.backends.cudnn.benchmark``'s choices). With
+    ``warn_only=True``, torch's own non-deterministic operations warn and
+    run; so does this.
+
+    Raises:
+        RuntimeError: deterministic algorithms are enabled, not warn-only.
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    text = (
+        'replicate(): bucket_layout="tuned" lets measured timings choose the buckets, so a rerun of the '
+        "same seeded job may sum gradients in another order and differ in the last bits; "
+        'torch.use_deterministic_algorithms(True) is set. Use the default bucket_layout="learned" '
+        "(reproducible), or turn deterministic algorithms off"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(text + " (warn_only=True: tuning stays on)", UserWarning, stacklevel=4)
+        return
+    raise RuntimeError(text)
 
 
 def _is_positive_finite(value: object) -> bool:

@@ -273,8 +273,8 @@ def _bucket_cap_mb_list(value: Any, options: dict[str, Any], module: nn.Module) 
         return
     raise ValueError(
         f"replicate(): bucket_cap_mb_list={list(value)} (a cap per bucket) is not supported; pass "
-        "bucket_cap_mb= for every bucket and first_bucket_cap_mb= for the first, or leave both to the "
-        "tuner (bucket_cap_mb=None measures the link)"
+        "bucket_cap_mb= for every bucket and first_bucket_cap_mb= for the first, or leave both to "
+        'the tuner (bucket_layout="tuned" measures the link)'
     )
 
 

@@ -20,11 +20,13 @@ instance attribute shadows anyway.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
@@ -144,10 +146,161 @@ def ignored_by_name(module: nn.Module, ignored_modules: tuple[nn.Module, ...]) -
     return frozenset(names)
 
 
+# -- DDP's configuration and internals -------------------------------------------
+# The rest of DDP 2.13's public attributes (and its private built-in hook
+# registration), kept apart from the surface above: each answers with DDP's
+# meaning, read-only as DDP's configuration is, or raises an AttributeError
+# saying why there is none here and what to use (docs/migration.md, "DDP's
+# attributes and methods"; tests/test_ddp_attributes.py against DDP).
+
+# DDP's attributes with nothing behind them here: why, and what to use instead.
+NOT_HERE: Mapping[str, str] = MappingProxyType(
+    {
+        "reducer": (
+            "DDP's C++ dist.Reducer; replicate() has its own reducer in Python, replicate.state(model).reducer, "
+            "which is not a dist.Reducer: register comm hooks with model.register_comm_hook(state, hook)"
+        ),
+        "logger": (
+            "DDP's C++ dist.Logger; model._get_ddp_logging_data() answers DDP's construction-time keys, and "
+            "torchreplicate.trace(model) or log_summary(model) time every step"
+        ),
+        "to_kwargs": (
+            "DDP's copy of the inputs to device_ids[0] (kept by DDP for backward compatibility); replicate() "
+            "runs the module on its inputs as given: move them with .to(device) first"
+        ),
+        "use_side_stream_for_tensor_copies": (
+            "DDP's switch (PYTORCH_DDP_USE_SIDE_STREAM) for copying inputs to the device; replicate() copies no "
+            "inputs: move them with .to(device, non_blocking=True) yourself"
+        ),
+        "broadcast_bucket_size": (
+            "DDP's 250 MiB bucket for the set-up broadcast; replicate() broadcasts the parameters and buffers of "
+            "each device in one collective, with no size to set"
+        ),
+        "bucket_bytes_cap_list": (
+            "DDP's caps per bucket (bucket_cap_mb_list); replicate() has one cap for every bucket but the first: "
+            "model.bucket_bytes_cap, and first_bucket_cap_mb= for the first"
+        ),
+        "skip_all_reduce_unused_params": (
+            "accepted by replicate() for DDP call sites and not kept: it changes nothing here (the averages are "
+            "the same); unused parameters are always handled"
+        ),
+        "batched_grad_copy": (
+            "accepted by replicate() for DDP call sites and not kept: it changes nothing here (gradients are "
+            "views into their buckets, gradient_as_bucket_view=True, or copied one bucket at a time)"
+        ),
+    }
+)
+
+
+def _module_buffers(state: ReplicateState) -> list[tuple[str, torch.Tensor]]:
+    # DDP's _assign_modules_buffers: every buffer not in parameters_to_ignore, by name, in module order.
+    ignored = ignored_by_name(state.module, state.config.ignored_modules)
+    return [(name, buffer) for name, buffer in state.module.named_buffers() if name not in ignored]
+
+
+def _first_device(state: ReplicateState) -> torch.device:
+    # DDP: the device of the first parameter it replicates.
+    for param in state.params:
+        return param.device
+    return state.collective_device()
+
+
+def _first_cap_is_smaller(state: ReplicateState) -> bool:
+    # DDP's definition: the first bucket's cap is below the others' (in DDP, only with its default caps).
+    return int(state.config.first_bucket_cap_mb * MiB) < _bucket_bytes_cap(state)
+
+
+_READ_ONLY = "DDP's configuration, fixed at construction: {}"
+
+
+class DDPInternals:
+    """DDP's configuration attributes and internals, as a replicated module answers them.
+
+    Attributes:
+        device: the device of the first replicated parameter, as DDP's.
+        mixed_precision: DDP's private ``_MixedPrecision`` config: always
+            None here (``mixed_precision=`` is refused, naming ``mp_policy=``).
+        modules_buffers: the buffers not in ``parameters_to_ignore``, in
+            module order, as DDP's list (read now, so a reassigned buffer shows).
+        named_module_buffers: the same, as a dict by fully qualified name.
+        is_multi_device_module: whether the replicated parameters sit on
+            more than one device.
+        bucket_bytes_cap_default: whether the first bucket's cap is below the
+            others' (DDP's definition; in DDP only with its default caps, here
+            also with ``bucket_cap_mb=`` given, as ``first_bucket_cap_mb``
+            still applies).
+
+    DDP's ``reducer``, ``logger``, ``to_kwargs``, ``broadcast_bucket_size``,
+    ``bucket_bytes_cap_list``, ``skip_all_reduce_unused_params``,
+    ``batched_grad_copy`` and ``use_side_stream_for_tensor_copies`` raise
+    ``AttributeError`` saying why there is none here and what to use
+    (``NOT_HERE``).
+    """
+
+    device = _DDPAttribute(_first_device, instead=_READ_ONLY.format("move the model with model.to(device)"))
+    mixed_precision = _DDPAttribute(
+        lambda s: None, instead=_READ_ONLY.format("pass mp_policy=MixedPrecisionPolicy(...) to replicate()")
+    )
+    modules_buffers = _DDPAttribute(
+        lambda s: [buffer for _, buffer in _module_buffers(s)],
+        instead=_READ_ONLY.format("it lists the module's buffers; register or replace buffers on the module"),
+    )
+    named_module_buffers = _DDPAttribute(
+        lambda s: dict(_module_buffers(s)),
+        instead=_READ_ONLY.format("it lists the module's buffers; register or replace buffers on the module"),
+    )
+    is_multi_device_module = _DDPAttribute(
+        lambda s: len({p.device for p in s.params}) > 1, instead=_READ_ONLY.format("it follows the parameters")
+    )
+    bucket_bytes_cap_default = _DDPAttribute(
+        _first_cap_is_smaller, instead=_READ_ONLY.format("pass bucket_cap_mb= and first_bucket_cap_mb=")
+    )
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when ordinary lookup failed (nn.Module keeps parameters,
+        # buffers and submodules here): the model's own names still win. Only
+        # the replicated root's class has it (about 0.2 us more per lookup of
+        # the root's own submodules); a descriptor's AttributeError would be
+        # replaced by nn.Module.__getattr__'s plain one, hence this.
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]  # nn.Module's, further along the MRO
+        except AttributeError:
+            why = NOT_HERE.get(name)
+            if why is None:
+                raise
+        raise AttributeError(f"replicate(): {type(self).__name__!r} has no attribute {name!r}: it is {why}")
+
+    def _register_builtin_comm_hook(self, comm_hook_type: dist.BuiltinCommHookType) -> None:
+        """DDP's built-in hooks, as the stock Python hooks that compute the same.
+
+        ``ALLREDUCE`` registers ``default_hooks.allreduce_hook`` and
+        ``FP16_COMPRESS`` ``default_hooks.fp16_compress_hook``, on the
+        replicated module's process group, through ``register_comm_hook``.
+
+        Args:
+            comm_hook_type: a ``torch.distributed.BuiltinCommHookType``.
+
+        Raises:
+            ValueError: ``comm_hook_type`` is not one of DDP 2.13's two.
+        """
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise ValueError(
+                f"replicate(): _register_builtin_comm_hook({comm_hook_type!r}): DDP 2.13 has two built-in hooks, "
+                "dist.BuiltinCommHookType.ALLREDUCE and FP16_COMPRESS; register any other with "
+                "model.register_comm_hook(state, hook)"
+            )
+        state = get_state(self)
+        state.register_comm_hook(state.group, hooks[comm_hook_type])
+
+
 _FIXED = "pass it to replicate() instead ({}); it is fixed there"
 
 
-class DDPSurface:
+class DDPSurface(DDPInternals):
     """DDP's attributes and methods, as a replicated module offers them (see the module docstring).
 
     Attributes:
@@ -338,4 +491,7 @@ OWN_NAMES_WIN = (
     *("gradient_as_bucket_view", "bucket_bytes_cap", "device_type", "parameters_to_ignore"),
     *("will_sync_module_buffers", "scatter", "gather", "_set_static_graph", "_register_fused_optim"),
     "_get_ddp_logging_data",
+    # DDP's configuration and internals (DDPInternals)
+    *("device", "mixed_precision", "modules_buffers", "named_module_buffers", "is_multi_device_module"),
+    *("bucket_bytes_cap_default", "_register_builtin_comm_hook"),
 )

@@ -217,3 +217,22 @@ def raise_with_place(error: Exception, where: str) -> None:
     if type(error) in (TypeError, ValueError):
         raise type(error)(f"{where}: {error}") from None
     raise error
+
+
+def ddp_on_top_error(what: str, wrapper: str, rank: int) -> RuntimeError:
+    """A replicated module run by ``DistributedDataParallel``'s forward: DDP and replicate() would both average.
+
+    Args:
+        what: the replicated module, as the message names it (its class).
+        wrapper: the DDP instance's wrapped module, as the message names it.
+        rank: this rank in the world.
+    """
+    return RuntimeError(
+        f"replicate(): rank {rank}: this {what} was replicated and is now run by "
+        f"torch.nn.parallel.DistributedDataParallel (wrapping {wrapper}): DDP and replicate() would each "
+        "average every gradient, twice the all-reduces and the wrong gradients. replicate() already makes "
+        "the model data-parallel: use it without the DDP wrapper. Under Hugging Face accelerate or "
+        "transformers.Trainer, which wrap it for you: torchreplicate.integrations.accelerate "
+        "(prepare_model, ReplicateAccelerator, ReplicateTrainer), or accelerator.prepare_model(model, "
+        "evaluation_mode=True), which prepares the model without the DDP wrap"
+    )

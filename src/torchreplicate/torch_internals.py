@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
@@ -283,3 +284,16 @@ def preserved_versions(tensors: Sequence[torch.Tensor]) -> Any:
     broadcast, and where it is not: [Note: buffer sync] in core/buffers.py.
     """
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+
+
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running now, or None.
+
+    DDP's forward sets the class attribute ``_active_ddp_module`` around the
+    wrapped module's forward (``_inside_ddp_forward``, torch >= 2.0, checked
+    on 2.13; it is what torch's compiler reads). A replicated module's
+    forward hook reads it to notice DDP on top of it: every gradient would
+    be averaged twice. DDP's python-reducer mode (compiled autograd) does not
+    set it, and is not noticed.
+    """
+    return getattr(DistributedDataParallel, "_active_ddp_module", None)

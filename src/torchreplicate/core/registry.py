@@ -4,7 +4,8 @@
 registry refuses a second application and answers ``replicate.state(module)``.
 Entries are held weakly, so a discarded model frees its state.
 
-It also keeps two process-wide counters fed by torch's global hooks: the
+It also keeps two process-wide counters fed by torch's global hooks, installed
+with the first replicated module and removed with the last: the
 registration counter of [Note: re-planning] (plan.py), bumped whenever any
 module registers a parameter, buffer or submodule, and each replicated
 module's optimizer steps, its training clock ([Note: desync detection] in
@@ -52,6 +53,11 @@ class _RegistrationCounter:
                 torch_module.register_module_module_registration_hook(self),
             ]
 
+    def uninstall(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []  # the count goes on from where it is, if installed again
+
 
 # read as ``registrations.count``: a plain attribute, read at every forward ([Note: re-planning])
 registrations = _RegistrationCounter()
@@ -87,6 +93,11 @@ class _OptimizerSteps:
         if self.handle is None:
             self.handle = register_optimizer_step_post_hook(self)
 
+    def uninstall(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
 
 _OPTIMIZER_STEPS = _OptimizerSteps()
 
@@ -101,6 +112,15 @@ def register_state(module: object, state: ReplicateState) -> None:
     registrations.install()
     _OPTIMIZER_STEPS.install()
     _STATES[module] = state
+    weakref.finalize(module, _release_hooks_if_unused).atexit = False
+
+
+def _release_hooks_if_unused() -> None:
+    # torch's global hooks live as long as a replicated module does: the
+    # process is left as it was once the last one is gone (as DDP leaves it)
+    if next(iter(_STATES.keys()), None) is None:  # live modules only
+        registrations.uninstall()
+        _OPTIMIZER_STEPS.uninstall()
 
 
 def get_state(module: object) -> ReplicateState:
@@ -155,3 +175,4 @@ def enclosing_state(module: object) -> Optional[ReplicateState]:
 def unregister_state(module: object) -> None:
     """Forgets ``module``'s state (a ``replicate()`` call that failed part-way)."""
     _STATES.pop(module, None)
+    _release_hooks_if_unused()

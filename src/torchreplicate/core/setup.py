@@ -21,6 +21,7 @@ or registry.py in its forwards.
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchreplicate.config import MiB
 from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, describe_change, ignored_names, make_plan, new_tensors
@@ -49,8 +51,6 @@ from torchreplicate.reducer.watchdog import StallWatch
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
-
-MiB = 1024 * 1024
 
 
 def process_group(given: Optional[WeakGroup]) -> WeakGroup:
@@ -74,8 +74,10 @@ def init(state: ReplicateState) -> None:
     """At ``replicate()``, once the state has its group: plans, checks across ranks, broadcasts, builds the reducer."""
     plan = make_state_plan(state)
     # rank 0's random token, broadcast with everything: the watchdog's
-    # keys are fresh in every run (torchrun's store outlives restarts)
-    token = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=state.collective_device())
+    # keys are fresh in every run (torchrun's store outlives restarts). From
+    # the operating system (secrets), never a generator the user's program
+    # draws from: one draw there moves every later random number of the job
+    token = torch.tensor([secrets.randbits(62)], dtype=torch.int64, device=state.collective_device())
     buffers = plan.buffer_values() if state.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
     install_plan(state, plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
@@ -191,7 +193,7 @@ def build_reducer(state: ReplicateState, learned: Optional[Learned]) -> Reducer:
     policy = LayoutPolicy(
         dense,
         plan.param_groups,
-        None if config.bucket_cap_mb is None else int(config.bucket_cap_mb * MiB),
+        config.cap_bytes,
         int(config.first_bucket_cap_mb * MiB),
         fixed=config.bucket_layout == "fixed",
     )

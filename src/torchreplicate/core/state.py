@@ -41,6 +41,7 @@ from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan
 from torchreplicate.core.registry import registrations
 from torchreplicate.core.tied import TiedUses
+from torchreplicate.errors import ddp_on_top_error
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
@@ -49,6 +50,7 @@ from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, compiled_hook_error
 from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
+    active_ddp_module,
     compiled_autograd_enabled,
     join_enabled,
     num_composable_states,
@@ -311,12 +313,24 @@ class ReplicateState:
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         # Before every forward of the root; returns cast inputs, or None to keep them.
+        if active_ddp_module() is not None:
+            self._refuse_ddp_on_top()
         if torch.is_grad_enabled() and not self.nested:
             self._sync_before_forward()
         if self.mixed is None or self.nested:
             return None
         cast = self.mixed.cast_inputs_of((args, kwargs))
         return None if cast is None else (cast[0], cast[1])
+
+    def _refuse_ddp_on_top(self) -> None:
+        # DDP's forward runs this module: refused if DDP reduces any parameter
+        # of ours (every rank runs the same wrapper, so every rank raises here,
+        # before any collective of this forward).
+        ddp = active_ddp_module()
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        reduced = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+        if any(id(p) in reduced for p in self.params):
+            raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
 
     def _sync_before_forward(self) -> None:
         # What every rank does together before a forward with gradients

@@ -17,6 +17,7 @@ from torch import nn
 from torchreplicate.api import replicate
 from torchreplicate.config import ReplicateConfig, to_ignored_modules
 from torchreplicate.core.registry import enclosing_state, find_state
+from torchreplicate.ddp_args import DDP_POSITIONAL_ORDER
 
 # The integration decides these: the module is on the framework's device and
 # is averaged over the world group, which the framework's sampler splits the
@@ -28,6 +29,21 @@ _SET_BY_FRAMEWORK = {
     "device_mesh": "{role} averages over all its processes, as its sampler splits the data",
 }
 _LIGHTNING_ALSO = "(and those of Lightning's DDPStrategy but its ddp_comm_* and model_averaging_period)"
+
+# DDP's constructor arguments that replicate() takes (ddp_args.py) and the
+# integrations do not (they take replicate()'s own options): what to pass instead.
+_DDP_ARGUMENT_INSTEAD = {
+    "init_sync": (
+        "under {role} every rank starts from rank 0's weights; to keep each rank's own, call "
+        "replicate(model, init_sync=False) in a loop of your own"
+    ),
+    "device_ids": "{role} moves the module to its device",
+    "output_device": "{role} moves the module to its device",
+    "forward_sync_buffers": (
+        "pass broadcast_buffers= (False skips the broadcast before forwards, and the one at set-up, which "
+        "forward_sync_buffers=False keeps)"
+    ),
+}
 
 
 def replicate_option_names() -> list[str]:
@@ -56,6 +72,10 @@ def check_replicate_options(
     for name in options:
         if name in _SET_BY_FRAMEWORK:
             raise TypeError(f"{strategy}: {name}= is not accepted: {_SET_BY_FRAMEWORK[name].format(role=role)}")
+        if name not in known and name in DDP_POSITIONAL_ORDER:
+            default = f"pass replicate()'s own options ({', '.join(known)})"
+            instead = _DDP_ARGUMENT_INSTEAD.get(name, default).format(role=role)
+            raise TypeError(f"{strategy}: {name}= (DDP's constructor argument) is not accepted: {instead}")
         if name not in known:
             raise TypeError(
                 f"{strategy}: unknown option {name}=; it takes replicate()'s options: {', '.join(known)} {also}"

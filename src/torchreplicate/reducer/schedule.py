@@ -125,9 +125,9 @@ def _tied_last(policy: LayoutPolicy, tied: Sequence[int]) -> tuple[list[int], li
 def settle_tied(policy: LayoutPolicy, tied_rows: TiedRows) -> bool:
     """After the first step: keeps the tied split only where it pays; whether the layout changed.
 
-    With a tuned cap, the split stays only where the link is the step (the
-    schedule applies) and ``split_pays``; with a cap given, nothing was
-    measured and it stays.
+    With a tuned layout, the split stays only where the link is the step (the
+    schedule applies) and ``split_pays``; otherwise nothing was measured and
+    it stays.
     """
     if not tied_rows.slots or not policy.tune_cap:
         return False

@@ -6,7 +6,7 @@ projection) accumulates one ``.grad`` per backward, complete only after its
 last use's gradient: the embedding lookup's, at the very end of backward. Its
 bucket, often the largest (8 MiB for a 8192 x 256 table), would leave only
 after backward, and the link would idle until then (measured: 59 ms of launch
-delay on a 6-layer GPT at 1 Gbit, benchmarks/results/net.md).
+delay on a 6-layer GPT at 1 Gbit, benchmarks/results/network.md).
 
 So the forward hands the first module that uses it (the one whose gradient
 comes last) a detached copy of the parameter (core/tied.py). The parameter's
@@ -18,14 +18,15 @@ those rows, added to the reduced ``.grad``. A lookup touches the rows of the
 batch's tokens, so the round sends little; a dense detached use sends all
 rows, which is what the bucket would have sent.
 
-Kept only where it pays: with a tuned cap, at the end of the first step the
+Kept only where it pays: with a tuned layout (``bucket_layout="tuned"``, an
+opt-in: [Note: tuning] in tuning.py), at the end of the first step the
 schedule prices the step with and without the split ([Note: buckets from the
 schedule], ``schedule.split_pays``); where the link is not the step (loopback:
 measured 7% slower against DDP with ``gradient_as_bucket_view``, from the
 rows round's CPU work) or the rows would be bytes sent twice on a saturated
 link (100 Mbit), the parameter goes back to one ``.grad``, whole, in the last
-bucket. With a cap given (``bucket_cap_mb``), nothing is measured and the
-split stays.
+bucket. Otherwise (the default) nothing is measured and the split stays:
+a fact of the model, the same on every run.
 
 Exact: averaging is linear, so the mean of the two parts is the mean of their
 sum. Only the rounding differs from one all-reduce of the sum (the parts are

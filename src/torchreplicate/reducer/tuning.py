@@ -7,25 +7,36 @@ how close it gets is how early the first collective starts and how busy the
 link stays. Two things, learned once, at the end of the first synchronised
 backward, by every rank at the same point:
 
-- Launch order: the order in which parameters' gradients became ready in
-  that backward (on group rank 0, broadcast: one collective), so buckets
-  fill in the order backward really produces them (DDP rebuilds its buckets
-  the same way); registration order can differ (tied weights, modules
-  registered out of execution order).
-- Bucket size, unless pinned by ``bucket_cap_mb``: a few all-reduces of
-  known sizes are timed (the median of a few each; the slowest rank's times
-  count: one all-reduce of the timings), a line ``time = latency + bytes /
-  bandwidth`` is fitted, and the cap is the smallest bucket whose fixed
-  latency costs at most ``OVERHEAD`` of its transfer time. Slow links get
-  small buckets (the link starts early and stays busy), fast ones large
-  buckets (few collectives). Where every dense gradient shares one dtype,
-  device and group, the buckets then come from the schedule instead
-  ([Note: buckets from the schedule] in bucket_plan.py): when each gradient
-  was ready in that first backward (group rank 0's, broadcast with the
-  order) against the fitted link. Every ``RETUNE_EVERY`` synchronised steps the
-  link is measured again (every rank counts the same steps), and the
-  buckets are rebuilt if the cap it gives moved by more than
-  ``RETUNE_FACTOR``: a regime change (another network, a busier machine).
+- Launch order (always, unless the layout is fixed): the order in which
+  parameters' gradients became ready in that backward (on group rank 0,
+  broadcast: one collective), so buckets fill in the order backward really
+  produces them (DDP rebuilds its buckets the same way); registration order
+  can differ (tied weights, modules registered out of execution order). The
+  order is a fact of the graph, not of timing: the same job gets the same
+  order, and so the same buckets, on every run.
+- Bucket size, only with ``bucket_layout="tuned"`` (opt-in, as
+  ``torch.backends.cudnn.benchmark``): a few all-reduces of known sizes are
+  timed (the median of a few each; the slowest rank's times count: one
+  all-reduce of the timings), a line ``time = latency + bytes / bandwidth``
+  is fitted, and the cap is the smallest bucket whose fixed latency costs at
+  most ``OVERHEAD`` of its transfer time. Slow links get small buckets (the
+  link starts early and stays busy), fast ones large buckets (few
+  collectives). Where every dense gradient shares one dtype, device and
+  group, the buckets then come from the schedule instead ([Note: buckets
+  from the schedule] in bucket_plan.py): when each gradient was ready in
+  that first backward (group rank 0's, broadcast with the order) against the
+  fitted link. Every ``RETUNE_EVERY`` synchronised steps the link is
+  measured again (every rank counts the same steps), and the buckets are
+  rebuilt if the cap it gives moved by more than ``RETUNE_FACTOR``: a regime
+  change (another network, a busier machine).
+
+Why tuning is opt-in: the ring all-reduce (gloo's, NCCL's) sums each element
+in an order set by its offset in the bucket, so a cap or a bucket end taken
+from a timing changes the last bits of the averaged gradients from one run
+of the same seeded job to the next. By default the cap is DDP's 25 MiB
+(``bucket_cap_mb`` pins another), nothing is timed, and the same seed gives
+the same bits, as under DDP; under ``torch.use_deterministic_algorithms``
+tuning is refused (config.py).
 
 The measurement must not cost more than the job. It is skipped where no cap
 in ``[MIN_CAP, MAX_CAP]`` can change the layout (``cap_changes_layout``: a
@@ -60,13 +71,13 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, plan_buckets
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.schedule import schedule, scheduled_layout
 
-MiB = 1024 * 1024
-DEFAULT_CAP = 25 * MiB  # until the first step measured the link (DDP's default)
+DEFAULT_CAP = DDP_DEFAULT_CAP_MB * MiB  # until the first step measured the link
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed (at most): latency, then bandwidth
 CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, not its best
