@@ -23,12 +23,8 @@ Runs, each against accelerate's or the Trainer's own DDP on the same seed and da
   embeddings in fp32 and bf16, tied in fp32, and with ``model_init`` (fp32);
   and ``ReplicateTrainer`` resumed from DDP's step-5 checkpoint.
 
-[Note: the RNG until issue 35] ``replicate()`` still draws once from torch's
-global generator at set-up (the watchdog's token, core/setup.py), which moves
-every later dropout mask. Until that lands, every Trainer run here (DDP's too)
-re-seeds torch at ``on_train_begin`` (after the model is prepared), so the
-comparison is about the gradients; with the fix, drop ``Reseed`` and the runs
-must stay bitwise equal.
+No re-seeding between the runs' set-up and training: ``replicate()`` draws
+nothing from torch's generators (issue 35), so the dropout masks are DDP's.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKw
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from torchreplicate import replicate
 from torchreplicate.core.registry import find_state
@@ -185,13 +181,6 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-class Reseed(TrainerCallback):
-    """[Note: the RNG until issue 35]: the same dropout masks from here on, whatever set-up drew."""
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        torch.manual_seed(1234 + dist.get_rank())
-
-
 def training_args(folder: Path, precision: str) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(folder),
@@ -234,7 +223,6 @@ def trainer_run(
             args=training_args(folder, precision),
             train_dataset=Tokens(STEPS * ACCUMULATE * GPT_BATCH * RANKS, seed=3),
             eval_dataset=Tokens(4 * RANKS, seed=4),
-            callbacks=[Reseed()],
             **model_options,
         )
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
