@@ -22,6 +22,8 @@ Runs, each against accelerate's or the Trainer's own DDP on the same seed and da
   ``save_model()``: with DDP and with ``ReplicateTrainer``, untied
   embeddings in fp32 and bf16, tied in fp32, and with ``model_init`` (fp32);
   and ``ReplicateTrainer`` resumed from DDP's step-5 checkpoint.
+- what not to do: a model replicated, then given to a plain ``Accelerator``'s
+  ``prepare`` (``replicated_then_prepared``): each rank's error.
 
 No re-seeding between the runs' set-up and training: ``replicate()`` draws
 nothing from torch's generators (issue 35), so the dropout masks are DDP's.
@@ -157,6 +159,19 @@ def load_across(out: Path, kind: str, source: str) -> None:
     )
 
 
+def replicated_then_prepared(out: Path) -> None:
+    """What not to do: replicate(), then a plain Accelerator's prepare (DDP on top); writes each rank's error."""
+    new_accelerate_state()
+    accelerator = Accelerator()
+    model = accelerator.prepare(replicate(mlp(dist.get_rank())))
+    try:
+        model(torch.randn(4, 8))
+        message = "no error"
+    except RuntimeError as error:
+        message = f"{type(model).__name__}: {error}"
+    (out / f"replicated_then_prepared.rank{dist.get_rank()}.txt").write_text(message)
+
+
 # -- transformers.Trainer, a tiny GPT-2 ----------------------------------------
 
 
@@ -265,6 +280,7 @@ def main() -> None:
     trainer_run(out, "gpt2_replicate_resumed", "replicate", resume_from=checkpoint)
     trainer_run(out, "gpt2_ddp_tied", "ddp", tied=True)
     trainer_run(out, "gpt2_replicate_tied", "replicate", tied=True)
+    replicated_then_prepared(out)  # last: it leaves a DDP that raised in its forward
     dist.barrier()
     dist.destroy_process_group()
 

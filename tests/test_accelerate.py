@@ -216,6 +216,14 @@ def test_trainer_tied_embeddings_within_rounding_of_ddp(runs):
     assert_trained(ours0, _gpt2_start(tied=True))
 
 
+@pytest.mark.timeout(480)
+def test_replicated_then_a_plain_prepare_is_refused_on_every_rank(runs):
+    # accelerate wraps the replicated model in DDP: the first forward raises on every rank (issue 35's refusal)
+    for rank in RANKS:
+        message = (runs / f"replicated_then_prepared.rank{rank}.txt").read_text()
+        assert message.startswith("DistributedDataParallel: replicate(): rank ") and "prepare_model" in message, message
+
+
 # -- unwrapping, refusals, options ----------------------------------------------
 
 
