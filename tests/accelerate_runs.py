@@ -22,6 +22,10 @@ Runs, each against accelerate's or the Trainer's own DDP on the same seed and da
   ``save_model()``: with DDP and with ``ReplicateTrainer``, untied
   embeddings in fp32 and bf16, tied in fp32, and with ``model_init`` (fp32);
   and ``ReplicateTrainer`` resumed from DDP's step-5 checkpoint.
+- ``ReplicateTrainer`` with ``evaluate()`` before ``train()``
+  (``gpt2_replicate_evaluate_first``): no DDP run to compare with, as
+  Trainer + DDP then trains without DDP (the evaluation marked the model
+  prepared; its replicas drift apart, transformers 5.25, accelerate 1.16).
 - what not to do: a model replicated, then given to a plain ``Accelerator``'s
   ``prepare`` (``replicated_then_prepared``): each rank's error.
 
@@ -227,6 +231,7 @@ def trainer_run(
     tied: bool = False,
     model_init: bool = False,
     resume_from: Optional[Path] = None,
+    evaluate_first: bool = False,
 ) -> None:
     new_accelerate_state()
     folder = out / run
@@ -240,6 +245,8 @@ def trainer_run(
             eval_dataset=Tokens(4 * RANKS, seed=4),
             **model_options,
         )
+        if evaluate_first:  # accelerate then marks the model prepared, before train() would wrap it
+            trainer.evaluate()
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             trainer.train(resume_from_checkpoint=None if resume_from is None else str(resume_from))
         all_reduces = count_all_reduces(profiled)
@@ -280,6 +287,7 @@ def main() -> None:
     trainer_run(out, "gpt2_replicate_resumed", "replicate", resume_from=checkpoint)
     trainer_run(out, "gpt2_ddp_tied", "ddp", tied=True)
     trainer_run(out, "gpt2_replicate_tied", "replicate", tied=True)
+    trainer_run(out, "gpt2_replicate_evaluate_first", "replicate", evaluate_first=True)
     replicated_then_prepared(out)  # last: it leaves a DDP that raised in its forward
     dist.barrier()
     dist.destroy_process_group()

@@ -217,6 +217,17 @@ def test_trainer_tied_embeddings_within_rounding_of_ddp(runs):
 
 
 @pytest.mark.timeout(480)
+def test_trainer_evaluate_before_train_still_replicates(runs):
+    # evaluate() first prepares the model in evaluation mode (accelerate's "prepared" mark), and Trainer + DDP's
+    # train() then leaves it unwrapped; ReplicateTrainer replicates at train(): the replicas stay bitwise equal
+    ours = [load(runs, "gpt2_replicate_evaluate_first", rank)["state_dict"] for rank in RANKS]
+    mismatched = differing(ours[1], ours[0])
+    assert not mismatched, f"rank 1's replica differs from rank 0's: {mismatched}"
+    assert_trained(ours[0], _gpt2_start(tied=False))
+    assert load(runs, "gpt2_replicate_evaluate_first", 0)["all_reduces"] > 0, "nothing was averaged"
+
+
+@pytest.mark.timeout(480)
 def test_replicated_then_a_plain_prepare_is_refused_on_every_rank(runs):
     # accelerate wraps the replicated model in DDP: the first forward raises on every rank (issue 35's refusal)
     for rank in RANKS:
