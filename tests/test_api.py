@@ -1,6 +1,8 @@
 """replicate()'s contract: in place, same class and keys, registry, what is replicated."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -28,7 +30,10 @@ def check_in_place(rank, world_size):
         replicate.state(other)
     # a plain copy of the weights loads back into the replicated module
     model.load_state_dict(copy.deepcopy(model.state_dict()))
-    assert type(model).__name__ == "ReplicateMLP", f"rank {rank}: the replicated class is {type(model).__name__}"
+    # the subclass shows the model's own name; its qualified name says it is replicate()'s ([Note: the replicated
+    # class's name] in api.py): config.json's "architectures" and repr(model) name the user's class
+    assert (type(model).__name__, type(model).__qualname__) == ("MLP", "ReplicateMLP"), f"rank {rank}: {type(model)}"
+    assert repr(model).startswith("MLP("), f"rank {rank}: {repr(model)[:20]}"
 
 
 def test_in_place_contract(pools):
@@ -248,10 +253,25 @@ class ModuleProperty(nn.Linear):
 def check_model_module(rank, world_size):
     model = MLP()
     keys = list(model.state_dict())
+    ddp_keys = list(torch.nn.parallel.DistributedDataParallel(MLP()).module.state_dict())
     replicate(model)
-    assert model.module is model, f"rank {rank}: model.module is not the model"
-    assert list(model.module.state_dict()) == keys == list(model.state_dict()), f"rank {rank}: keys changed"
+    view = model.module  # [Note: model.module] in core/unwrapped.py
+    assert view is not model and view is model.module, f"rank {rank}: model.module is not one view of the model"
+    assert list(view.state_dict()) == keys == ddp_keys == list(model.state_dict()), f"rank {rank}: keys changed"
+    assert all(p is q for p, q in zip(view.parameters(), model.parameters(), strict=True)), f"rank {rank}: copies"
+    assert isinstance(view, MLP) and type(view).__name__ == "MLP", f"rank {rank}: {type(view)}"
+    assert not hasattr(view, "module"), f"rank {rank}: the view has a .module: unwrapping loops would not end"
+    assert replicate.state(view) is replicate.state(model), f"rank {rank}: the view has another state"
+    view.extra = 1  # one namespace: set through the view, seen on the model
+    assert model.extra == 1, f"rank {rank}: the view's attribute is not the model's"
     assert "module" not in dict(model.named_modules()), f"rank {rank}: `module` became a submodule"
+    with pytest.raises(RuntimeError, match="replicate\\(\\) was already applied"):
+        replicate(view)
+    twin = copy.deepcopy(view)  # an EMA copy of ddp.module: a plain module, as copy.deepcopy(model) gives
+    assert type(twin) is MLP and not twin._forward_pre_hooks, f"rank {rank}: the copy is a {type(twin)}"
+    stamp = replicate.state(model).stamp()
+    view.float()  # view.to(...) and the like re-plan at the next forward, as on the model
+    assert replicate.state(model).stamp() != stamp, f"rank {rank}: view._apply was not noted"
     wrapper = WrapsAModule()
     replicate(wrapper)
     assert wrapper.module is wrapper._modules["module"], f"rank {rank}: the model's submodule lost to ours"
@@ -260,8 +280,12 @@ def check_model_module(rank, world_size):
     assert own.module == "the class's own", f"rank {rank}: the class's property lost to ours"
     model.module = "set by the user"  # a plain attribute wins too, and setting it works
     assert model.module == "set by the user", f"rank {rank}: {model.module!r}"
+    kept, view_kept = weakref.ref(model), weakref.ref(view)
+    del model, view
+    gc.collect()
+    assert kept() is None and view_kept() is None, f"rank {rank}: the view keeps a discarded model alive"
 
 
-def test_model_module_is_the_model(pools):
-    # DDP code unwraps `model.module`; the model is the module.
+def test_model_module_is_the_model_seen_as_ddps_module(pools):
+    # DDP code unwraps `model.module`: the same model, with DDP's keys, and no `.module` of its own.
     pools.run(2, check_model_module)

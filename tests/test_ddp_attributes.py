@@ -80,7 +80,7 @@ def attributes_as_ddp(rank, world_size):
 
     for name in NOT_HERE:  # DDP has each of them; a replicated module says why not, naming what to use
         assert hasattr(DDP(net()), name), f"DDP 2.13 has no {name}: drop it from NOT_HERE"
-        with pytest.raises(AttributeError, match=rf"^replicate\(\): 'ReplicateNet' has no attribute '{name}': it is "):
+        with pytest.raises(AttributeError, match=rf"^replicate\(\): 'Net' has no attribute '{name}': it is "):
             getattr(ours, name)
         assert not hasattr(ours, name)
     for name in PROVIDED:

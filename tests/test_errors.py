@@ -36,7 +36,11 @@ def test_not_a_module():
         ({"first_bucket_cap_mb": -1}, ValueError, "first_bucket_cap_mb must be a positive"),
         ({"gradient_as_bucket_view": 1}, TypeError, "gradient_as_bucket_view must be True or False, got 1"),
         ({"broadcast_buffers": 1}, TypeError, "broadcast_buffers must be True or False, got 1"),
-        ({"bucket_layout": "sorted"}, ValueError, "bucket_layout must be one of 'learned', 'fixed', 'tuned', got 'sorted'"),
+        (
+            {"bucket_layout": "sorted"},
+            ValueError,
+            "bucket_layout must be one of 'learned', 'fixed', 'tuned', got 'sorted'",
+        ),
         ({"bucket_layout": "fixed"}, ValueError, 'bucket_layout="fixed" needs a bucket_cap_mb'),
         (
             {"ignored_modules": [nn.Linear(2, 2), "head"]},

@@ -167,7 +167,8 @@ def check_row(rank: int, world_size: int, name: str) -> tuple[str, str]:
     if row.match in (SAME_TEXT, SAME_TYPE):
         assert isinstance(ours_error, row.seed), f"{where}: not the seed's type"  # type: ignore[arg-type]
     if row.match == SAME_TEXT:
-        seed_text = str(seed_error).replace("DDPLinear(", "ReplicateLinear(")  # the seed's class prefix, ours
+        # the seed's subclass prints as DDPLinear, ours as the model's own Linear ([Note: the replicated class's name])
+        seed_text = str(seed_error).replace("DDPLinear(", "Linear(")
         assert str(ours_error).startswith(seed_text), f"{where}: the seed's text is not first"
         assert "replicate():" in str(ours_error)[len(seed_text) :], f"{where}: our clearer text does not follow"
     return type(seed_error).__name__, type(ours_error).__name__

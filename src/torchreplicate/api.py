@@ -148,11 +148,19 @@ Joinable.register(ReplicateModule)  # torch's Join protocol, by duck typing (no 
 
 @functools.lru_cache(maxsize=None)
 def _replicated_class(cls: Any) -> type:
-    namespace = {"__module__": cls.__module__, "original_class": cls}
+    # [Note: the replicated class's name] The subclass shows the model's own
+    # ``__name__``: ``repr(model)``, logs and whatever records a model by its
+    # class name (transformers' ``save_pretrained`` writes
+    # ``type(model).__name__`` into config.json's "architectures", which
+    # loaders dispatch on) see the model's class, as under DDP's ``.module``.
+    # Its ``__qualname__`` keeps the ``Replicate`` prefix, so ``type(model)``
+    # still prints as the subclass, and pickling the class by reference fails
+    # instead of finding the original class.
+    namespace = {"__module__": cls.__module__, "__qualname__": f"Replicate{cls.__qualname__}", "original_class": cls}
     for name in OWN_NAMES_WIN:  # the model class's own wins ([Note: the model's own names win] in ddp_surface.py)
         if hasattr(cls, name):
             namespace[name] = inspect.getattr_static(cls, name)
-    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), namespace)
+    return type(cls.__name__, (ReplicateModule, cls), namespace)
 
 
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__(2) returns; not in typeshed

@@ -33,6 +33,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from torchreplicate.core.join import start_join
 from torchreplicate.core.plan import IGNORE_ATTRIBUTE, check_ignored_names
 from torchreplicate.core.registry import get_state
+from torchreplicate.core.unwrapped import view_of
 from torchreplicate.ddp_args import warn_no_effect
 
 if TYPE_CHECKING:
@@ -58,14 +59,15 @@ def _own(module: object, name: str) -> Any:
 
 
 class _TheModel:
-    # `model.module`: the model itself, unless it has a parameter, buffer or
-    # submodule of that name. Not a data descriptor, so an instance attribute
-    # `module` wins too (and setting one is a plain assignment); state_dict keys are untouched.
+    # `model.module`: the model seen as DDP's inner module ([Note: model.module] in
+    # core/unwrapped.py), unless it has a parameter, buffer or submodule of that name.
+    # Not a data descriptor, so an instance attribute `module` wins too (and setting
+    # one is a plain assignment); state_dict keys are untouched.
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         if obj is None:
             return self
         own = _own(obj, "module")
-        return obj if own is _ABSENT else own
+        return view_of(obj) if own is _ABSENT else own
 
 
 class _DDPAttribute:
@@ -302,8 +304,10 @@ class DDPSurface(DDPInternals):
     """DDP's attributes and methods, as a replicated module offers them (see the module docstring).
 
     Attributes:
-        module: the model itself (``replicate()`` does not wrap); DDP code
-            that unwraps ``model.module`` keeps working.
+        module: the model, seen as DDP's inner module: the same parameters,
+            hooks and ``state_dict`` keys, without DDP's attributes (so
+            without ``.module``: unwrapping loops end there); see
+            [Note: model.module] in core/unwrapped.py.
         process_group: the group gradients are averaged over.
         device_ids: ``[index]`` for a module replicate() moved to an
             accelerator (``device_ids=`` / ``device_id=``), else None, as DDP.

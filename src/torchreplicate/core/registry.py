@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
 
 _STATES: weakref.WeakKeyDictionary[object, ReplicateState] = weakref.WeakKeyDictionary()
+# model.module ([Note: model.module] in core/unwrapped.py): a replicated module's view while one
+# is alive, and a view's module. Weak both ways: the view shares the module's __dict__, which may
+# hold the module (a bound method), so a strong reference here would keep a discarded model alive.
+_VIEWS: weakref.WeakKeyDictionary[object, weakref.ref[object]] = weakref.WeakKeyDictionary()
+_VIEWED: weakref.WeakKeyDictionary[object, weakref.ref[object]] = weakref.WeakKeyDictionary()
 
 
 class _RegistrationCounter:
@@ -119,25 +124,44 @@ def _release_hooks_if_unused() -> None:
 
 
 def get_state(module: object) -> ReplicateState:
-    """Returns the state of a module that ``replicate()`` was applied to.
+    """Returns the state of a module that ``replicate()`` was applied to (or of the module ``module`` views).
 
     Raises:
         ValueError: if ``replicate()`` was not applied to ``module``.
     """
-    try:
-        return _STATES[module]
-    except (KeyError, TypeError):
+    state = find_state(module)
+    if state is None:
         raise ValueError(
             f"replicate.state(): {type(module).__name__} is not managed by replicate(); call replicate(module) first"
-        ) from None
+        )
+    return state
 
 
 def find_state(module: object) -> Optional[ReplicateState]:
-    """The state of ``module``, or None if ``replicate()`` was not applied to it."""
+    """The state of ``module``, or None if ``replicate()`` was not applied to it.
+
+    A replicated module's ``.module`` view ([Note: model.module] in
+    core/unwrapped.py) has its module's state.
+    """
     try:
-        return _STATES.get(module)
+        state = _STATES.get(module)
+        if state is None and module in _VIEWED:
+            return _STATES.get(_VIEWED[module]())
+        return state
     except TypeError:
         return None
+
+
+def find_view(module: object) -> Optional[Any]:
+    """``module``'s ``.module`` view, if one is alive ([Note: model.module] in core/unwrapped.py)."""
+    ref = _VIEWS.get(module)
+    return None if ref is None else ref()
+
+
+def record_view(module: object, view: object) -> None:
+    """Records ``view`` as ``module``'s ``.module`` view (both held weakly)."""
+    _VIEWS[module] = weakref.ref(view)
+    _VIEWED[view] = weakref.ref(module)
 
 
 def enclosing_state(module: object) -> Optional[ReplicateState]:

@@ -20,8 +20,8 @@ from torch import nn
 
 from torchreplicate.api import replicate
 from torchreplicate.core.registry import find_state
-from torchreplicate.integrations.lightning.options import check_replicate_options, refuse_replicated
 from torchreplicate.integrations.lightning.trainer import NAME
+from torchreplicate.integrations.options import check_replicate_options, refuse_replicated
 
 
 class ReplicateStrategy(DDPStrategy):

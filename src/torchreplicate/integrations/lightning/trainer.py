@@ -25,7 +25,7 @@ from torch import nn
 
 from torchreplicate.api import replicate
 from torchreplicate.core.registry import find_state
-from torchreplicate.integrations.lightning.options import check_replicate_options, refuse_replicated
+from torchreplicate.integrations.options import check_replicate_options, refuse_replicated
 
 log = logging.getLogger(__name__)
 
