@@ -22,18 +22,20 @@ from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_
 from torchreplicate.core.nested import class_name, is_fully_sharded
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
 from torchreplicate.core.state import ReplicateState
+from torchreplicate.core.unwrapped import ReplansOnConversion
 from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
 from torchreplicate.ddp_surface import OWN_NAMES_WIN, DDPSurface
 from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
 
-class ReplicateModule(DDPSurface):
+class ReplicateModule(DDPSurface, ReplansOnConversion):
     """Methods every replicated module gains (its class becomes a subclass).
 
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
-    DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py).
+    DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py);
+    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, core/unwrapped.py).
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -113,15 +115,6 @@ class ReplicateModule(DDPSurface):
             throw_on_early_termination=throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        # .to(), .double(), .half(), .cuda(), ... on the replicated root: the
-        # next forward re-plans ([Note: re-planning] in plan.py).
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
-        state = find_state(self)
-        if state is not None:
-            state.note_change()
-        return result
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickles and deep-copies as a plain module of the original class.

@@ -5,9 +5,9 @@ declared minimum), with the torch versions it is known to exist in. If a
 later torch moves one, this file is the only one to change. Two reads stay
 inline on the gradient hook's hot path, where a call would double its cost,
 each with a comment naming its function here: ``PROFILER._is_profiler_enabled``
-and ``param._post_accumulate_grad_hooks`` (reducer/reducer.py). ``ReplicateModule``
+and ``param._post_accumulate_grad_hooks`` (reducer/reducer.py). ``ReplansOnConversion``
 overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
-``.double()``) goes through (api.py).
+``.double()``) goes through (core/unwrapped.py).
 """
 
 from __future__ import annotations

@@ -35,19 +35,30 @@ from torch import nn
 from torchreplicate.core.registry import find_state, find_view, record_view
 
 
-class _View:
-    # What a view adds to the model's own class. Its one slot holds the model
-    # weakly: the view's __dict__ is the model's, so nothing of its own can live there.
-    __slots__ = ("_model_ref",)
-    _model_ref: weakref.ref[nn.Module]
+class ReplansOnConversion:
+    """Mixed into a replicated module's class and its view's: a conversion re-plans.
+
+    ``nn.Module._apply`` is the one method every conversion (``.to()``,
+    ``.double()``, ``.half()``, ``.cuda()``) goes through; after it the
+    module's next forward re-plans ([Note: re-planning] in plan.py), on the
+    model or through ``model.module`` alike.
+    """
+
+    __slots__ = ()
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        # view.to(...), .double(), ...: the model's next forward re-plans, as after model.to(...)
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        result = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, further along the MRO
         state = find_state(self)
         if state is not None:
             state.note_change()
         return result
+
+
+class _View(ReplansOnConversion):
+    # What a view adds to the model's own class. Its one slot holds the model
+    # weakly: the view's __dict__ is the model's, so nothing of its own can live there.
+    __slots__ = ("_model_ref",)
+    _model_ref: weakref.ref[nn.Module]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # copy.deepcopy(model.module), torch.save(model.module): the model's own plain copy
