@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.core.join import start_join
 from torchreplicate.core.plan import IGNORE_ATTRIBUTE, check_ignored_names
 from torchreplicate.core.registry import get_state
@@ -39,8 +40,6 @@ from torchreplicate.ddp_args import warn_no_effect
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
 
-MiB = 1024 * 1024
-DEFAULT_CAP_BYTES = 25 * MiB  # DDP's default, and the tuner's until it measured (reducer/tuning.py)
 
 _STORES = ("_parameters", "_buffers", "_modules")
 _ABSENT = object()
@@ -128,8 +127,8 @@ def _device_index(state: ReplicateState) -> Optional[int]:
 def _bucket_bytes_cap(state: ReplicateState) -> int:
     if state.reducer is not None:
         return int(state.reducer.layout_policy.cap_bytes)  # the tuned cap once measured
-    cap_mb = state.config.bucket_cap_mb
-    return DEFAULT_CAP_BYTES if cap_mb is None else int(cap_mb * MiB)
+    cap = state.config.cap_bytes
+    return DDP_DEFAULT_CAP_MB * MiB if cap is None else cap  # tuned: DDP's until the first step measured the link
 
 
 def _device_type(state: ReplicateState) -> str:
