@@ -1,13 +1,16 @@
-"""One ordinary synchronised step runs code in the files docs/architecture.md names.
+"""One realistic synchronised step runs code in the files docs/architecture.md names, and few calls cross them.
 
-Issue 29's shape, kept: the forward and backward of a plain model (no tied
-parameters, buffers, sparse gradients or comm hook; the layout learned) run
-library code in the five files a reader follows (the state, the reducer, the
-bucket, the reduction, the flags) and the three leaves every point reports
-to (probe, watchdog, torch_internals), and in no other. A mode that starts
-asking again at every step, or a forwarder into another file, shows here:
-add the file to the architecture page's walk-through, or decide the mode at
-plan time (core/setup.py).
+Issue 37's shape: the forward, backward and ``optimizer.step()`` of a model
+with BatchNorm (its buffers are broadcast before every forward), laid out at
+the default options in three buckets, two of them launched from gradient
+hooks, run library code in the six files a reader follows (the state, the
+buffer sync, the reducer, the bucket, the reduction, the flags) and the three
+leaves every point reports to (probe, watchdog, torch_internals), and in no
+other; and the distinct (caller file:function, callee file:function) pairs
+across those files stay at most ``MAX_PAIRS``. A mode that starts asking
+again at every step, or a forwarder into another file, shows here: add the
+file to the architecture page's walk-through, or decide the mode at plan
+time (core/setup.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,41 +29,83 @@ from torchreplicate import replicate
 PACKAGE = os.path.dirname(torchreplicate.__file__)
 ARCHITECTURE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 
-READ_IN_ORDER = ("core/state.py", "reducer/reducer.py", "reducer/bucket.py", "reducer/reduction.py", "reducer/flags.py")
+READ_IN_ORDER = (
+    "core/state.py",
+    "core/buffers.py",
+    "reducer/reducer.py",
+    "reducer/bucket.py",
+    "reducer/reduction.py",
+    "reducer/flags.py",
+)
 LEAVES = ("reducer/probe.py", "reducer/watchdog.py", "torch_internals.py")
+MAX_PAIRS = 32  # issue 37: at most 32 distinct cross-file (caller, callee) function pairs
 
 
-def files_of_one_step(rank: int, world_size: int) -> list[str]:
-    """The library files whose functions run in one forward and backward, after 3 steps (rank's thread)."""
+class StepShape(NamedTuple):
+    files: list[str]  # library files whose functions ran
+    pairs: list[tuple[str, str]]  # distinct cross-file (caller file:function, callee file:function)
+    num_buckets: int
+    num_launched_from_hooks: int
+
+
+def realistic_model() -> nn.Module:
+    """8 blocks of Linear(1024) + BatchNorm + ReLU and a head: ~33 MB of fp32 gradients, 3 buckets at 25 MiB."""
+    blocks: list[nn.Module] = []
+    for _ in range(8):
+        blocks += [nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(1024, 10))
+
+
+def shape_of_one_step(rank: int, world_size: int) -> StepShape:
+    """The library files and cross-file calls of one step (forward, backward, optimizer.step), after 3 steps."""
     torch.manual_seed(0)
-    model = replicate(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):  # the first learns the layout
-        model(torch.randn(8, 16)).pow(2).mean().backward()
+    model = replicate(realistic_model())  # default options
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        nn.functional.cross_entropy(model(torch.randn(16, 1024)), torch.randint(0, 10, (16,))).backward()
         optimizer.step()
         optimizer.zero_grad()
-    loss = model(torch.randn(8, 16)).pow(2).mean()
+
+    for _ in range(3):  # the first learns the launch order and the firing counts
+        step()
     files: set[str] = set()
+    pairs: set[tuple[str, str]] = set()
+    launches: list[bool] = []
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            files.add(os.path.relpath(frame.f_code.co_filename, PACKAGE))
+        if event != "call" or not frame.f_code.co_filename.startswith(PACKAGE):
+            return
+        here = os.path.relpath(frame.f_code.co_filename, PACKAGE)
+        files.add(here)
+        if here == "reducer/bucket.py" and frame.f_code.co_name == "launch":
+            launches.append(bool(frame.f_locals["from_hook"]))
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_filename.startswith(PACKAGE):
+            there = os.path.relpath(caller.f_code.co_filename, PACKAGE)
+            if there != here:
+                pairs.add((f"{there}:{caller.f_code.co_name}", f"{here}:{frame.f_code.co_name}"))
 
     sys.setprofile(profile)
     try:
-        loss.backward()
-        model(torch.randn(8, 16))  # the next forward: its hooks are part of the step
+        step()
     finally:
         sys.setprofile(None)
-    return sorted(files)
+    reducer = replicate.state(model).reducer
+    assert reducer is not None
+    return StepShape(sorted(files), sorted(pairs), len(reducer.buckets), sum(launches))
 
 
-def test_one_step_runs_in_the_documented_files(pools):
-    for files in pools.run(2, files_of_one_step):
-        assert set(files) == set(READ_IN_ORDER + LEAVES), (
-            f"one ordinary step ran library code in {files}; docs/architecture.md names "
+def test_one_realistic_step_runs_in_the_documented_files(pools):
+    for shape in pools.run(2, shape_of_one_step):
+        assert shape.num_buckets == 3, f"the model was meant to fill 3 buckets at the defaults, got {shape.num_buckets}"
+        assert shape.num_launched_from_hooks == 2, "two buckets launch from hooks, the last from the end of backward"
+        assert set(shape.files) == set(READ_IN_ORDER + LEAVES), (
+            f"one step ran library code in {shape.files}; docs/architecture.md names "
             f"{READ_IN_ORDER} and the leaves {LEAVES}"
         )
+        listing = "\n".join(f"  {a} -> {b}" for a, b in shape.pairs)
+        assert len(shape.pairs) <= MAX_PAIRS, f"{len(shape.pairs)} cross-file call pairs (at most {MAX_PAIRS}):\n{listing}"
     page = ARCHITECTURE.read_text()
     walk = page[page.index("## One step, as data flows") :]
     assert [walk.index(f"`{name}`") for name in READ_IN_ORDER] == sorted(

@@ -176,10 +176,10 @@ def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
     )
 
 
-def complex_wire_error(slot: ParamSlot, wire_dtype: torch.dtype) -> ValueError:
+def complex_wire_error(name: str, dtype: torch.dtype, wire_dtype: torch.dtype) -> ValueError:
     """The refusal of a complex gradient that would travel in a real wire dtype (the imaginary part lost)."""
     return ValueError(
-        f"replicate(): parameter {slot.name!r} is complex ({slot.dtype}), and its gradient cannot travel in "
+        f"replicate(): parameter {name!r} is complex ({dtype}), and its gradient cannot travel in "
         f"reduce_dtype={wire_dtype}: a real dtype drops the imaginary part. Drop reduce_dtype (or the "
         "mp_policy's reduce_dtype), or pass the module that holds the parameter in ignored_modules"
     )

@@ -195,6 +195,14 @@ def num_composable_states() -> int:
     return len(_composable_state._module_state_mapping)
 
 
+def claimed_elsewhere() -> tuple[int, int]:
+    """What other torch APIs claimed, process-wide: parameters under optimizer-in-backward, composable states.
+
+    Both move when a re-plan may be due ([Note: re-planning] in core/plan.py); one call at every forward.
+    """
+    return num_in_backward_optimizer_params(), num_composable_states()
+
+
 def fully_sharded_modules() -> list[nn.Module]:
     """Every live module that ``fully_shard`` was applied to (torch >= 2.6)."""
     from torch.distributed import _composable_state

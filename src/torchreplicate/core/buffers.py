@@ -39,18 +39,32 @@ buffer hold on each rank what they would hold under DDP on the same job:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.reducer.collectives import broadcast_coalesced, is_transport_error
+from torchreplicate.reducer.collectives import is_transport_error
+from torchreplicate.reducer.reduction import WeakGroup, broadcast_coalesced
 from torchreplicate.torch_internals import preserved_versions
 
 if TYPE_CHECKING:
-    from torchreplicate.core.state import ReplicateState
+    from torchreplicate.core.plan import BufferRef
+    from torchreplicate.reducer.probe import Probe
+
+
+def values_of(refs: Sequence[BufferRef]) -> list[torch.Tensor]:
+    """The buffers' current tensors, read from their owners (a child's ``.to()`` swaps them)."""
+    values = []
+    for owner, name in refs:
+        module = owner()
+        assert module is not None, "a buffer's owner outlives the plan while the root lives"
+        values.append(getattr(module, name))
+    return values
 
 
 class BufferSync:
-    """When a replicated module's buffers are broadcast ([Note: buffer sync]); ``state.buffer_sync``.
+    """When and how a replicated module's buffers are broadcast ([Note: buffer sync]); ``state.buffer_sync``.
 
     Args:
         config: the module's options.
@@ -61,34 +75,42 @@ class BufferSync:
         self.at_set_up = config.init_sync_buffers
         # before forwards (DDP's forward_sync_buffers); the model's broadcast_buffers attribute sets it
         self.before_forward = config.broadcast_buffers
-        # DDP's require_forward_param_sync: the last forward with gradients ran with gradient sync on
+        # DDP's require_forward_param_sync: the last forward with gradients ran with gradient sync on.
+        # The forward hook writes it after each forward with gradients: the next one broadcasts
+        # only if this one's backward syncs.
         self.due = True
+        # - From the plan (``install``): the buffers to broadcast, none without
+        #   other ranks; the group and the probe (whose watchdog waits each broadcast)
+        self.refs: tuple[BufferRef, ...] = ()
+        self._group: Optional[WeakGroup] = None
+        self._probe: Optional[Probe] = None
+
+    def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe) -> None:
+        """At each plan: the replicated buffers (none at world size 1), the group, the module's probe."""
+        self.refs = tuple(refs)
+        self._group = group
+        self._probe = probe
 
     @property
     def wanted(self) -> bool:
-        """Whether the next forward with gradients broadcasts (when there are buffers and other ranks).
-
-        The forward hook writes ``due`` after each forward with gradients (the
-        next one broadcasts only if this one's backward syncs), and reads this
-        only where the plan has buffers and other ranks (``ReplicateState.buffers_to_sync``).
-        """
+        """Whether the next forward with gradients broadcasts (``before_forward`` and ``due``)."""
         return self.before_forward and self.due
 
+    def broadcast(self, source: int) -> None:
+        """Gives every rank the replicated buffers of group rank ``source``, in place ([Note: buffer sync]).
 
-def broadcast_buffers(state: ReplicateState, source: int) -> None:
-    """Gives every rank the replicated buffers of group rank ``source``, in place ([Note: buffer sync]).
-
-    Every rank calls it at the same point (the forward pre-hook, or a joined
-    rank's join hook); it does nothing without buffers or other ranks.
-    """
-    values = state.plan.buffer_values()
-    if not values or state.world_size == 1:
-        return
-    watch = state.probe.watch
-    try:
-        with preserved_versions(values):
-            broadcast_coalesced(values, state.group, src_rank=source, waiter=state.probe.watch)
-    except RuntimeError as error:
-        if watch is None or not is_transport_error(error):
-            raise
-        raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
+        Every rank calls it at the same point (the forward pre-hook, or a joined
+        rank's join hook); it does nothing without buffers or other ranks.
+        """
+        if not self.refs:
+            return
+        assert self._group is not None and self._probe is not None, "installed with the refs"
+        values = values_of(self.refs)
+        watch = self._probe.watch
+        try:
+            with preserved_versions(values):
+                broadcast_coalesced(values, self._group.get(), src_rank=source, waiter=watch)
+        except RuntimeError as error:
+            if watch is None or not is_transport_error(error):
+                raise
+            raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error

@@ -41,10 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from torchreplicate.core.buffers import broadcast_buffers
-from torchreplicate.reducer.collectives import broadcast_coalesced
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.reduction import all_reduce
+from torchreplicate.reducer.reduction import all_reduce, broadcast_coalesced
 from torchreplicate.reducer.switches import TrainingState
 from torchreplicate.torch_internals import disable_join
 
@@ -126,7 +124,7 @@ class ReplicateJoinHook(JoinHook):
         try:
             verdict = join_round(state, training=False)
             if verdict.buffers:
-                broadcast_buffers(state, verdict.source)
+                state.buffer_sync.broadcast(verdict.source)
             if verdict.sync and state.reducer is not None:
                 state.reducer.shadow_step()
         finally:

@@ -38,6 +38,7 @@ from typing import Collection, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from torchreplicate.core.buffers import values_of
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import in_backward_optimizers
 
@@ -59,8 +60,8 @@ class Plan(NamedTuple):
             a forward compares it with one C-level list comparison).
         signature: per candidate, what a re-plan must notice besides the
             flags: identity, dtype, device, shape, optimizers in backward.
-        buffers: the replicated buffers, as (owner, name): the tensors
-            themselves change at every forward (broadcast out of place).
+        buffers: the replicated buffers, as (owner, name): read at each use,
+            since a submodule's ``.to()`` swaps the tensors (buffers.py).
         sparse: identities of the parameters that get sparse gradients
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``).
         groups: per candidate, 0, or i > 0 when it belongs to the i-th inner
@@ -101,12 +102,7 @@ class Plan(NamedTuple):
 
     def buffer_values(self) -> list[torch.Tensor]:
         """The replicated buffers' current tensors."""
-        values = []
-        for owner, name in self.buffers:
-            module = owner()
-            assert module is not None, "a buffer's owner outlives the plan while the root lives"
-            values.append(getattr(module, name))
-        return values
+        return values_of(self.buffers)
 
 
 EMPTY_PLAN = Plan((), (), [], (), (), frozenset(), ())

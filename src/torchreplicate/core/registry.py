@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.nn.modules import module as torch_module
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from torchreplicate.reducer.flags import OptimizerSteps
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -63,43 +64,7 @@ class _RegistrationCounter:
 registrations = _RegistrationCounter()
 
 
-class _OptimizerSteps:
-    """Counts each replicated module's optimizer steps: its training clock.
-
-    One global optimizer step post-hook (torch's public
-    ``register_optimizer_step_post_hook``) adds a step to every replicated
-    module whose parameters the stepped optimizer holds ([Note: desync
-    detection] in flags.py).
-    """
-
-    def __init__(self) -> None:
-        self.handle: Any = None  # torch's hook handle; None until installed
-        # optimizer -> (its param_groups' shape when read, ids of its parameters)
-        self.params_of: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], frozenset[int]]] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    @torch.compiler.disable
-    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        shape = tuple(len(group["params"]) for group in optimizer.param_groups)
-        cached = self.params_of.get(optimizer)
-        if cached is None or cached[0] != shape:
-            ids = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
-            cached = self.params_of[optimizer] = (shape, ids)
-        for state in list(_STATES.values()):
-            state.clock.note_step(cached[1])
-
-    def install(self) -> None:
-        if self.handle is None:
-            self.handle = register_optimizer_step_post_hook(self)
-
-    def uninstall(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-
-_OPTIMIZER_STEPS = _OptimizerSteps()
+_OPTIMIZER_STEPS = OptimizerSteps()  # the training clocks' hook ([Note: desync detection] in flags.py)
 
 
 def register_state(module: object, state: ReplicateState) -> None:
@@ -111,6 +76,7 @@ def register_state(module: object, state: ReplicateState) -> None:
         )
     registrations.install()
     _OPTIMIZER_STEPS.install()
+    _OPTIMIZER_STEPS.clocks.add(state.clock)
     _STATES[module] = state
     weakref.finalize(module, _release_hooks_if_unused).atexit = False
 

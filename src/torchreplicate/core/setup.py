@@ -12,8 +12,8 @@ into the objects it changes, so the step never asks again: mixed precision's
 casts are installed on the plan's parameters (mixed_precision.py); the tied
 parameters' split (``to_split``) gives the reducer its tied slots and the
 state a ``TiedUses`` that hooks their holders, or neither (``state.tied``
-None); ``state.buffers_to_sync`` says whether the plan has buffers to
-broadcast before forwards (and other ranks to give them to); the reduction
+None); ``state.buffer_sync`` gets the plan's buffers to broadcast before
+forwards (none without other ranks to give them to); the reduction
 (all-reduce, or a registered comm hook) is the reducer's. A plan with no
 tied parameters and no buffers runs no code of tied.py, buffers.py, plan.py
 or registry.py in its forwards.
@@ -34,15 +34,11 @@ from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, describe_change, ignored_names, make_plan, new_tensors
 from torchreplicate.core.tied import TiedUses, tied_params
-from torchreplicate.reducer.bucket import grad_layout, make_slots
-from torchreplicate.reducer.collectives import (
-    broadcast_coalesced,
-    is_transport_error,
-    verify_params_across_ranks,
-)
+from torchreplicate.reducer.bucket import bucket_kind, make_slots
+from torchreplicate.reducer.collectives import is_transport_error, verify_params_across_ranks
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, broadcast_coalesced
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, TrainingState
 from torchreplicate.reducer.tied_rows import TiedRows
@@ -132,7 +128,7 @@ def install_plan(
         state.reducer.remove_hooks()
         state.reducer = None
     lifecycle = state.lifecycle
-    if lifecycle.now is TrainingState.BACKWARD or lifecycle.now is TrainingState.ENDING:
+    if lifecycle.now is TrainingState.BACKWARD or lifecycle.now is TrainingState.FINALIZING:
         lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
     group = state.group
     for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
@@ -160,7 +156,7 @@ def install_plan(
     if plan.params and (world_size > 1 or isinstance(state.reduction, HookReduction)):
         state.reducer = build_reducer(state, learned)
     state.tied = tied_uses(state)
-    state.buffers_to_sync = bool(plan.buffers) and world_size > 1
+    state.buffer_sync.install(plan.buffers if world_size > 1 else (), state.weak_group, state.probe)
 
 
 def tied_uses(state: ReplicateState) -> Optional[TiedUses]:
@@ -186,7 +182,6 @@ def build_reducer(state: ReplicateState, learned: Optional[Learned]) -> Reducer:
     """
     config, plan = state.config, state.plan
     learned = learned or Learned({}, 0)
-    layout = grad_layout(config.gradient_as_bucket_view)
     slots = make_slots(plan.params, plan.names, learned.expected)
     dense = [slot for slot in slots if id(slot.param) not in plan.sparse]
     tied = to_split(state.module, plan, state.reduction, state.mixed is not None)
@@ -202,8 +197,8 @@ def build_reducer(state: ReplicateState, learned: Optional[Learned]) -> Reducer:
         state.group,
         policy=policy,
         sparse=SparseGrads([slot for slot in slots if id(slot.param) in plan.sparse]),
-        tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], state.sync, layout),
-        layout=layout,
+        tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], state.sync),
+        bucket_kind=bucket_kind(config.gradient_as_bucket_view),
         reduction=state.reduction,
         lifecycle=state.lifecycle,
         sync=state.sync,

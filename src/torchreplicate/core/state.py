@@ -17,7 +17,7 @@ next forward broadcasts buffers, outputs cast, and a hook on each output
 that queues the reducer's end-of-backward work. They move the module's
 ``TrainingState`` from ``IDLE`` to ``FORWARD`` and back (a forward
 recomputed inside a backward stays ``BACKWARD``; the first forward outside
-one after a backward that raised ends that step, ``Reducer.end_failed_step``). Both
+one after a backward that raised ends that step, ``Reducer.finalize_raised_backward``). Both
 hooks run at every forward, so they stay flat: the state's bound methods,
 registered directly, with no wrapper layers between.
 """
@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import lazy, nested, setup
-from torchreplicate.core.buffers import BufferSync, broadcast_buffers
+from torchreplicate.core.buffers import BufferSync
 from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
@@ -51,10 +51,9 @@ from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     active_ddp_module,
+    claimed_elsewhere,
     compiled_autograd_enabled,
     join_enabled,
-    num_composable_states,
-    num_in_backward_optimizer_params,
 )
 
 
@@ -98,8 +97,7 @@ class ReplicateState:
         # None where its reducer splits none (setup.py); a comm hook drops it
         self.tied: Optional[TiedUses] = None
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
-        self.buffer_sync = BufferSync(config)  # when buffers are broadcast ([Note: buffer sync])
-        self.buffers_to_sync = False  # the plan has buffers and other ranks to broadcast them to (setup.py)
+        self.buffer_sync = BufferSync(config)  # when and which buffers are broadcast ([Note: buffer sync])
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
@@ -144,6 +142,13 @@ class ReplicateState:
         if self._group is None:
             raise RuntimeError("replicate.state(): the module was not initialised")
         return self._group.get()
+
+    @property
+    def weak_group(self) -> WeakGroup:
+        """The process group, held weakly (what the module's own objects keep)."""
+        if self._group is None:
+            raise RuntimeError("replicate.state(): the module was not initialised")
+        return self._group
 
     @property
     def world_size(self) -> int:
@@ -292,12 +297,7 @@ class ReplicateState:
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
-        return (
-            registrations.count,
-            self._num_noted_changes,
-            num_in_backward_optimizer_params(),
-            num_composable_states(),
-        )
+        return (registrations.count, self._num_noted_changes, *claimed_elsewhere())
 
     def collective_device(self) -> torch.device:
         """Where this module's own small collectives run (the accelerator for NCCL)."""
@@ -344,14 +344,15 @@ class ReplicateState:
             buffer_source = training_join_round(self).source
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
-            self.reducer.end_failed_step()  # outside a backward: the last one raised before its end ran
+            self.reducer.finalize_raised_backward()  # outside a backward: the last one raised before its end ran
         self.num_forwards += 1
         self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             setup.replan_if_changed(self)
-        if self.buffers_to_sync and self.buffer_sync.wanted:  # [Note: buffer sync] in buffers.py
-            broadcast_buffers(self, buffer_source)
+        buffer_sync = self.buffer_sync
+        if buffer_sync.refs and buffer_sync.before_forward and buffer_sync.due:  # [Note: buffer sync] in buffers.py
+            buffer_sync.broadcast(buffer_source)
         now = lifecycle.now
         if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
             lifecycle.now = TrainingState.FORWARD

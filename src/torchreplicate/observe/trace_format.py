@@ -24,7 +24,7 @@ import statistics
 from typing import Any, NamedTuple, Optional, Sequence
 
 from torchreplicate.observe.timeline import BucketTimes, StepRecord
-from torchreplicate.reducer.bucket import BucketInfo
+from torchreplicate.reducer.probe import BucketInfo
 
 STEP_ROW = 0  # tid of a rank's step row; bucket k is row 1 + k
 

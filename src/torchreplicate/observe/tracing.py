@@ -41,7 +41,7 @@ from torchreplicate.observe.trace_format import (
     plot_trace,
     rank_events,
 )
-from torchreplicate.reducer.bucket import ReducerInfo
+from torchreplicate.reducer.probe import ReducerInfo
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")

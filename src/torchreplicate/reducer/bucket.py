@@ -1,19 +1,25 @@
-"""Flat gradient buckets, the parameter slots laid out in them, and where ``.grad`` lives.
+"""Flat gradient buckets and the parameter slots laid out in them: each bucket owns its step.
 
 A ``Bucket`` is one flat buffer that travels in one collective; each
 ``ParamSlot`` is one reduced parameter and the view of the bucket that holds
-its gradient. They hold the layout (fixed until the buckets are rebuilt),
-what was learned across steps, and what one synchronised backward knows of
-them: a slot its firings, whether it holds its contribution already and
-(copy layout) the ``.grad`` set aside; a bucket its slots still to fire and
-its launched work. ``Bucket.reset`` clears a bucket's and its slots' step,
-the reducer calls it on every bucket at each step's end (its one reset).
+its gradient. As FSDP2's ``FSDPParamGroup`` owns its group's step, a bucket
+owns everything one synchronised backward does to it, and every per-step
+field of a bucket and of its slots is written here only: counting a
+parameter's readiness and absorbing its gradient (``take``), launching its
+collective and holding the work (``launch``), filling what no hook brought at
+the end of backward (``fill``), waiting (``wait``), pointing ``.grad`` at
+the average (``restore``) and clearing the step (``reset``). The collective
+itself is the reduction's (reduction.py), bound once per bucket layout:
+the bucket hands it only its index, and holds the scale the reduction wants
+its gradients multiplied by on the way in ([Note: the mean is taken on the
+way in] in reduction.py).
 
-``ViewLayout`` (``gradient_as_bucket_view=True``, the default) keeps every
-``.grad`` a view of its slot between steps, so gradients take no memory
-beyond the buckets. ``CopyLayout`` keeps ``.grad`` separate and copies it
-into the slot at launch and back after the reduction. The reducer calls the
-same methods on either, at the same points of a step.
+Where ``.grad`` lives is fixed when the buckets are built: a ``ViewBucket``
+(``gradient_as_bucket_view=True``, the default) keeps every ``.grad`` a view
+of its slot between steps, so gradients take no memory beyond the buckets; a
+``CopyBucket`` keeps ``.grad`` separate and copies it into the slot at
+launch and back after the reduction. The reducer calls the same methods on
+either, at the same points of a step.
 
 [Note: when is a parameter ready]
 A post-accumulate-grad hook fires once per accumulation into ``.grad``, which
@@ -28,26 +34,21 @@ backward. The first step thus reduces everything at the end; later static
 steps overlap. If a parameter fires again after its bucket was launched (the
 graph changed), the gradient must not race with the collective that reads the
 bucket: at launch, each parameter's ``.grad`` is detached from the bucket
-(``GradLayout.detach``), so a late accumulation lands in a fresh tensor, which
+(``Bucket.launch``), so a late accumulation lands in a fresh tensor, which
 the late round reduces.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from torchreplicate.errors import refuse_foreign_hooks
+from torchreplicate.errors import changed_since_plan, refuse_foreign_hooks
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
-from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.torch_internals import in_backward_optimizers, remove_in_backward_optimizer_hooks
-
-if TYPE_CHECKING:
-    from torchreplicate.reducer.reduction import Reduction, Waiter
 
 
 class ParamSlot:
@@ -96,7 +97,7 @@ class ParamSlot:
         # - Learned across synchronised backwards: how many accumulations into
         #   .grad one backward brings ([Note: when is a parameter ready])
         self.expected = expected
-        # - Per synchronised backward (Bucket.reset)
+        # - Per synchronised backward, written by its bucket only (Bucket.reset clears them)
         self.fired = 0  # accumulations into .grad seen
         # the view holds this rank's contribution as the reduction wants it
         # (scaled on the way in), so nothing is left to do before launch
@@ -108,8 +109,24 @@ class ParamSlot:
         return local_grad(grad, self.param) if self.distributed else grad
 
 
+LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
+
+
+class Communication(Protocol):
+    """What a bucket asks of its reduction (reduction.py's ``Reduction``, bound to the bucket layout)."""
+
+    def launch(self, index: int) -> Any:
+        """Starts reducing bucket ``index``'s gradients; returns the handle ``wait`` takes."""
+
+    def wait(self, index: int, handle: Any) -> None:
+        """Waits for bucket ``index``; its gradients then hold the reduced average."""
+
+
 class Bucket:
-    """One flat gradient buffer and the slots laid out in it.
+    """One flat gradient buffer, the slots laid out in it, and its part of each synchronised backward.
+
+    The interface and what both layouts share; ``ViewBucket`` and
+    ``CopyBucket`` say where ``.grad`` lives (``bucket_kind``).
 
     Args:
         index: position in the launch order.
@@ -136,31 +153,43 @@ class Bucket:
             slot.view = self.grads[offset : offset + shard.numel()].view_as(shard)
             slot.grad_obj = grad_wrapper(slot.view, slot.param)
             offset += shard.numel()
+        self.params = [slot.param for slot in self.slots]  # what a comm hook's bucket lists
+        self.views = [slot.view for slot in self.slots]  # each parameter's gradient in the buffer
         names = [repr(slot.name) for slot in self.slots]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
-        self.indices = [slot.index for slot in self.slots]  # the slots' parameter indices, in buffer order
+        # - Bound to a reduction (bind): how the bucket travels, and the scale
+        #   its gradients take on the way in (None: as they are)
+        self.reduction: Optional[Communication] = None
+        self.scale: Optional[torch.Tensor] = None
         # - Per synchronised backward (reset). pending: slots still to reach their
         #   learned count before a hook may launch the bucket ([Note: when is a
-        #   parameter ready]). A slot not seen yet has learned 0,
-        #   so it never counts down, and its bucket waits for the end of
-        #   backward. work: what the reduction launched, until waited for.
+        #   parameter ready]). A slot not seen yet has learned 0, so it never
+        #   counts down, and its bucket waits for the end of backward.
         self.pending = len(self.slots)
-        self.work: Any = None
-
-    def reset(self) -> None:
-        """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
-        self.pending = len(self.slots)
-        self.work = None
-        for slot in self.slots:
-            slot.fired = 0
-            slot.absorbed = False
-            slot.held = None
+        self.launched = False  # its collective started in this backward
+        self.from_hook = False  # ... from a gradient hook: .grad was detached, and may hold a late gradient
+        self.work: Any = None  # what the reduction launched, until waited for
 
     @property
     def numel(self) -> int:
         """Number of gradient elements (the flags' room excluded)."""
         return self.grads.numel()
+
+    def bind(self, reduction: Communication, scale: Optional[torch.Tensor]) -> None:
+        """Binds the bucket to ``reduction`` (bound to this layout), with the scale it wants on the way in."""
+        self.reduction = reduction
+        self.scale = scale
+
+    def reset(self) -> None:
+        """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
+        self.pending = len(self.slots)
+        self.launched = self.from_hook = False
+        self.work = None
+        for slot in self.slots:
+            slot.fired = 0
+            slot.absorbed = False
+            slot.held = None
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """``flat`` (shaped like ``grads``) cut into one view per slot, each shaped like its gradient."""
@@ -171,51 +200,121 @@ class Bucket:
             offset += numel
         return views
 
+    # -- one synchronised backward ------------------------------------------
 
-@dataclass(frozen=True)
-class BucketInfo:
-    """One bucket of the layout a step ran with.
+    def take(self, slot: ParamSlot) -> bool:
+        """A gradient accumulated into ``slot``'s ``.grad`` in a synchronised backward.
 
-    Attributes:
-        index: the bucket's index.
-        names: fully qualified names of its parameters, in buffer order.
-        numel: gradient elements.
-        nbytes: bytes of its gradients.
-    """
+        Counts the firing; unless the bucket left already (the gradient is
+        then late: ``launched``), absorbs it. Returns whether the bucket is
+        now ready to launch ([Note: when is a parameter ready]).
 
-    index: int
-    names: tuple[str, ...]
-    numel: int
-    nbytes: int
+        Raises:
+            RuntimeError: the gradient no longer fits the plan (naming the parameter).
+        """
+        fired = slot.fired = slot.fired + 1
+        if self.launched:
+            return False
+        try:
+            self._absorb(slot)
+        except RuntimeError as error:
+            grad = slot.param.grad
+            if grad is not None and (
+                grad.is_sparse or grad.device != self.buffer.device or local(grad).shape != slot.view.shape
+            ):
+                raise changed_since_plan(slot, grad) from error
+            raise
+        if fired == slot.expected:
+            self.pending -= 1
+            return self.pending == 0
+        return False
 
-    def describe(self, max_names: int = 3) -> str:
-        """The first parameter names, and how many more."""
-        shown = ", ".join(self.names[:max_names])
-        more = len(self.names) - max_names
-        return shown + (f" and {more} more" if more > 0 else "")
+    def keep_local(self, slot: ParamSlot) -> None:
+        """After an accumulation with gradient sync off (``no_sync``)."""
 
+    def fill(self) -> list[int]:
+        """At the end of backward, before a launch from there: makes every slot hold this rank's
+        contribution. Returns the indices of the slots this rank has no gradient for."""
+        return [slot.index for slot in self.slots if not self._fill(slot)]
 
-class ReducerInfo(NamedTuple):
-    """What observers read of a reducer (``Reducer.info``): plain values, the layout as it is now.
+    def launch(self, from_hook: bool) -> None:
+        """Starts the bucket's collective: from a gradient hook (every slot reached its expected
+        count) or from the end of backward (after ``fill``); the bucket holds the work."""
+        if from_hook:
+            self._detach()
+        scale = self.scale
+        if scale is not None:  # the slots filled in place are scaled now ([Note: the mean ...])
+            done = sum([slot.absorbed for slot in self.slots])
+            if done == 0:
+                self.grads.mul_(scale)
+            elif done < len(self.slots):
+                for slot in self.slots:
+                    if not slot.absorbed:
+                        slot.view.mul_(scale)
+        self.launched, self.from_hook = True, from_hook
+        assert self.reduction is not None, "bound by the reducer"
+        self.work = self.reduction.launch(self.index)
 
-    Attributes:
-        device: where the buckets live (an observer's own collectives run there).
-        waiter: waits the reducer's collectives (the stall watchdog), or None.
-        buckets: the bucket layout, in launch order.
-    """
+    def wait(self) -> None:
+        """Waits for the bucket's collective; its ``grads`` then hold the average."""
+        work, self.work = self.work, None
+        assert self.reduction is not None, "bound by the reducer"
+        self.reduction.wait(self.index, work)
 
-    device: torch.device
-    waiter: Optional[Waiter]
-    buckets: tuple[BucketInfo, ...]
+    def restore(self, unused_everywhere: frozenset[int], any_late: bool) -> LateGrads:
+        """After the reduction: points every ``.grad`` at its average; returns the late gradients.
 
-    @classmethod
-    def of(cls, buckets: Sequence[Bucket], waiter: Optional[Waiter]) -> ReducerInfo:
-        """The view of ``buckets`` (a reducer's, in launch order)."""
-        infos = tuple(
-            BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
-            for b in buckets
-        )
-        return cls(buckets[0].buffer.device, waiter, infos)
+        A bucket launched from a hook had its parameters' ``.grad`` detached,
+        so they may hold late gradients (``any_late``: some rank has one). A
+        parameter no rank used (``unused_everywhere``) keeps ``grad=None``.
+        """
+        late: LateGrads = {}
+        for slot in self.slots:
+            param = slot.param
+            if self.from_hook:
+                if param.grad is not None:
+                    late[slot.index] = slot.plain(param.grad)
+                param.grad = self._early_average(slot)
+            elif slot.index in unused_everywhere:
+                param.grad = None
+            else:
+                self._point_at_average(slot)
+        return late
+
+    def adopt_grads(self) -> None:
+        """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
+
+    # -- where .grad lives: the two layouts -----------------------------------
+
+    def _absorb(self, slot: ParamSlot) -> None:
+        # After an accumulation, before the bucket left.
+        raise NotImplementedError
+
+    def _detach(self) -> None:
+        # At a launch from a hook: frees .grad from the bucket in flight. A
+        # further accumulation then lands in a fresh .grad, which the late
+        # round reduces ([Note: when is a parameter ready]).
+        raise NotImplementedError
+
+    def _fill(self, slot: ParamSlot) -> bool:
+        # At the end of backward; whether this rank has a gradient for the slot.
+        raise NotImplementedError
+
+    def _early_average(self, slot: ParamSlot) -> torch.Tensor:
+        # What .grad becomes for a slot of a bucket launched from a hook.
+        raise NotImplementedError
+
+    def _point_at_average(self, slot: ParamSlot) -> None:
+        # Points a used slot's .grad (of a bucket launched at the end) at its average.
+        raise NotImplementedError
+
+    def _scaled_into(self, grad: torch.Tensor, slot: ParamSlot) -> None:
+        # This rank's first gradient for the slot, into its view, as the reduction wants it.
+        if self.scale is None:
+            slot.view.copy_(grad)
+        else:
+            torch.mul(grad, self.scale, out=slot.view)
+        slot.absorbed = True
 
 
 def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
@@ -262,71 +361,11 @@ def step_in_backward_optimizers(slots: Sequence[ParamSlot]) -> None:
             slot.param.grad = None  # as torch's optimizer-in-backward leaves it
 
 
-LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
+class ViewBucket(Bucket):
+    """``.grad`` is its slot's view whenever no backward is running (``gradient_as_bucket_view=True``)."""
 
-
-class GradLayout:
-    """The interface; see the two implementations."""
-
-    def adopt_grads(self, slots: Sequence[ParamSlot]) -> None:
-        """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
-
-    def keep_local(self, slot: ParamSlot) -> None:
-        """After an accumulation with gradient sync off (``no_sync``)."""
-
-    def absorb(self, slot: ParamSlot, reduction: Reduction) -> None:
-        """After an accumulation in a synchronised backward, before the bucket left."""
-
-    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
-        """At a launch from a hook: frees ``.grad`` from the bucket in flight.
-
-        Every slot of ``bucket`` reached its expected count, so each has a
-        gradient. A further accumulation then lands in a fresh ``.grad``,
-        which the late round reduces ([Note: when is a parameter ready]).
-        """
-        raise NotImplementedError
-
-    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
-        """At the end of backward, for a bucket not launched yet: makes the slot hold
-        this rank's contribution. Returns whether this rank has a gradient for it."""
-        raise NotImplementedError
-
-    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
-        """After the reduction: points every ``.grad`` at its average; returns the late gradients.
-
-        ``num_early`` buckets (a prefix) were launched from hooks, so their
-        parameters' ``.grad`` were detached and may hold late gradients.
-        A parameter no rank used keeps ``grad=None``.
-        """
-        late: LateGrads = {}
-        for bucket in buckets:
-            early = bucket.index < num_early
-            for slot in bucket.slots:
-                param = slot.param
-                if early:
-                    if param.grad is not None:
-                        late[slot.index] = slot.plain(param.grad)
-                    param.grad = self._early_average(slot)
-                elif slot.index in sums.unused_everywhere:
-                    param.grad = None
-                else:
-                    self._point_at_average(slot)
-        return late
-
-    def _early_average(self, slot: ParamSlot) -> torch.Tensor:
-        # What .grad becomes for a slot of a bucket launched from a hook.
-        raise NotImplementedError
-
-    def _point_at_average(self, slot: ParamSlot) -> None:
-        # Points a used slot's .grad (of a bucket launched at the end) at its average.
-        raise NotImplementedError
-
-
-class ViewLayout(GradLayout):
-    """``.grad`` is its slot's view whenever no backward is running."""
-
-    def adopt_grads(self, slots: Sequence[ParamSlot]) -> None:
-        for slot in slots:
+    def adopt_grads(self) -> None:
+        for slot in self.slots:
             if slot.param.grad is not None:
                 slot.view.copy_(slot.plain(slot.param.grad))
                 slot.param.grad = slot.grad_obj
@@ -340,42 +379,42 @@ class ViewLayout(GradLayout):
             slot.view.copy_(slot.plain(grad))
             param.grad = slot.grad_obj
 
-    def absorb(self, slot: ParamSlot, reduction: Reduction) -> None:
+    def _absorb(self, slot: ParamSlot) -> None:
         # The hot path (once per parameter per step): no asserts, calls inlined.
         param = slot.param
         grad = param.grad
         if grad is slot.grad_obj:
-            return  # accumulated in place: finish_absorbing handles it at launch
+            return  # accumulated in place: scaled at launch
         if slot.distributed:
             grad = slot.plain(grad)  # type: ignore[arg-type]  # the reducer's hook checked it is set
-        if slot.absorbed:
-            reduction.fold(grad, slot)  # type: ignore[arg-type]  # a further accumulation in this backward
+        if not slot.absorbed:
+            self._scaled_into(grad, slot)  # type: ignore[arg-type]
+        elif self.scale is None:  # a further accumulation in this backward
+            slot.view.add_(grad)  # type: ignore[arg-type]
         else:
-            reduction.absorb(grad, slot)  # type: ignore[arg-type]
-            slot.absorbed = True
+            slot.view.addcmul_(grad, self.scale)  # type: ignore[arg-type]  # bitwise add_(alpha=1/d) in fp32/64
         param.grad = None
 
-    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
-        for slot in bucket.slots:
+    def _detach(self) -> None:
+        for slot in self.slots:
             slot.param.grad = None
 
-    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
+    def _fill(self, slot: ParamSlot) -> bool:
         if slot.fired:
-            return True  # absorb() already put it in the slot
+            return True  # _absorb() already put it in the slot
         grad = slot.param.grad
         if grad is None:
             slot.view.zero_()
             return False
         if grad is not slot.grad_obj:
-            slot.view.copy_(slot.plain(grad))  # brought to the absorbed form with the bucket at launch
+            slot.view.copy_(slot.plain(grad))  # scaled with the bucket at launch
         return True
 
-    def restore(self, buckets: Sequence[Bucket], sums: FlagSums, num_early: int) -> LateGrads:
-        if sums.unused_everywhere or sums.any_late:
-            return super().restore(buckets, sums, num_early)
-        for bucket in buckets:  # the ordinary step: every .grad is its slot's view
-            for slot in bucket.slots:
-                slot.param.grad = slot.grad_obj
+    def restore(self, unused_everywhere: frozenset[int], any_late: bool) -> LateGrads:
+        if unused_everywhere or any_late:
+            return super().restore(unused_everywhere, any_late)
+        for slot in self.slots:  # the ordinary case: every .grad is its slot's view
+            slot.param.grad = slot.grad_obj
         return {}
 
     def _early_average(self, slot: ParamSlot) -> torch.Tensor:
@@ -385,30 +424,32 @@ class ViewLayout(GradLayout):
         slot.param.grad = slot.grad_obj
 
 
-class CopyLayout(GradLayout):
+class CopyBucket(Bucket):
     """``.grad`` is a tensor of its own: copied in at launch, the average copied back."""
 
-    def detach(self, bucket: Bucket, reduction: Reduction) -> None:
-        for slot in bucket.slots:
+    def _absorb(self, slot: ParamSlot) -> None:
+        pass  # .grad accumulates on its own until the launch copies it in
+
+    def _detach(self) -> None:
+        for slot in self.slots:
             grad = slot.param.grad
             assert grad is not None, "a bucket launches from a hook only once every slot has a gradient"
-            reduction.absorb(slot.plain(grad), slot)  # the copy into the slot is the scaling pass
-            slot.absorbed = True
+            self._scaled_into(slot.plain(grad), slot)  # the copy into the slot is the scaling pass
             slot.held = grad
             slot.param.grad = None
 
-    def fill(self, slot: ParamSlot, reduction: Reduction) -> bool:
+    def _fill(self, slot: ParamSlot) -> bool:
         grad = slot.param.grad
         slot.absorbed = True
         if grad is None:
             slot.view.zero_()
             return False
-        reduction.absorb(slot.plain(grad), slot)
+        self._scaled_into(slot.plain(grad), slot)
         return True
 
     def _early_average(self, slot: ParamSlot) -> torch.Tensor:
         held = slot.held
-        assert held is not None, "set aside by detach()"
+        assert held is not None, "set aside by _detach()"
         local(held).copy_(slot.view)
         return held
 
@@ -420,6 +461,6 @@ class CopyLayout(GradLayout):
             local(param.grad).copy_(slot.view)
 
 
-def grad_layout(gradient_as_bucket_view: bool) -> GradLayout:
-    """The layout ``replicate(gradient_as_bucket_view=...)`` asks for."""
-    return ViewLayout() if gradient_as_bucket_view else CopyLayout()
+def bucket_kind(gradient_as_bucket_view: bool) -> type[Bucket]:
+    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives."""
+    return ViewBucket if gradient_as_bucket_view else CopyBucket

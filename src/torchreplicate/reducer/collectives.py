@@ -1,4 +1,4 @@
-"""Set-up collectives: the cross-rank parameter check and the coalesced broadcast.
+"""Set-up collectives: the cross-rank parameter check; what a failed collective was.
 
 Plain ``@torch.no_grad()`` functions over explicit arguments. Each is called
 at the same point on every rank, so each rank launches the same collectives.
@@ -87,71 +87,3 @@ def is_transport_error(error: BaseException) -> bool:
     """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
     text = str(error)
     return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
-
-
-@torch.no_grad()
-def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    *,
-    src_rank: int = 0,
-    in_place: bool = True,
-    waiter: Optional[Waiter] = None,
-) -> list[torch.Tensor]:
-    """Broadcasts tensors from ``src_rank`` in one collective per device.
-
-    Tensors of every dtype travel together as bytes, so a BatchNorm's float
-    statistics and its int64 counter cost one broadcast, not two.
-
-    Args:
-        tensors: what to broadcast; the same shapes and dtypes on every rank.
-        group: the process group.
-        src_rank: group rank whose values everyone takes. Default 0.
-        in_place: copy the result into ``tensors`` (True, default) or return
-            fresh tensors and leave the inputs untouched (False), for tensors a
-            live autograd graph may have saved.
-        waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
-
-    Returns:
-        The broadcast tensors: ``tensors`` themselves when ``in_place``, else
-        new tensors in the same order.
-    """
-    results: list[torch.Tensor] = list(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(index)
-    src = dist.get_global_rank(group, src_rank)
-    for indices in by_device.values():
-        members = [tensors[i].detach() for i in indices]
-        flat = _pack_bytes(members)
-        wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
-        offset = 0
-        for i, tensor in zip(indices, members, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            offset += _padded(nbytes)
-            if in_place:
-                tensor.copy_(piece)
-            else:
-                # a tensor of its own, not a view of `flat`: torch.compile refuses
-                # graph inputs that share storage ("view input mutations")
-                results[i] = piece.clone()
-    return results
-
-
-_ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _pack_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = sum(_padded(t.numel() * t.element_size()) for t in tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-    offset = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        flat[offset : offset + nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-        offset += _padded(nbytes)
-    return flat

@@ -12,7 +12,7 @@ all-reduce of one rank meets the k-th of the other, so the gradients of
 different training steps get averaged together, silently. A counter of
 synchronised backwards cannot see it (it counts the pairing itself). What
 differs is the training clock: how many optimizer steps each rank took (an
-optimizer over the module's parameters; registry.py counts them), and, after
+optimizer over the module's parameters: ``OptimizerSteps``), and, after
 a divergent re-plan, the bucket layout. Each value travels as residues: for
 every modulus m in MODULI, a one-hot block of m elements with a 1 at
 ``value % m``. Summed over ranks, a block has one non-zero element exactly
@@ -30,9 +30,11 @@ the steps it shadowed, and the check stays armed for what follows.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import weakref
+from typing import Any, NamedTuple, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
@@ -42,25 +44,60 @@ class TrainingClock:
     """A module's training clock: optimizer steps over its parameters ([Note: desync detection]).
 
     Shared by the module's state (which sets the parameters to watch at each
-    plan) and its reducers (which send the clock with the flags); the
-    registry's optimizer hook advances it.
+    plan) and its reducers (which send the clock with the flags);
+    ``OptimizerSteps`` advances it.
     """
 
-    __slots__ = ("steps", "param_ids")
+    __slots__ = ("steps", "param_ids", "__weakref__")
 
     def __init__(self) -> None:
         self.steps = 0  # optimizer steps that touched the module's replicated parameters
         self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
 
-    def note_step(self, optimizer_param_ids: frozenset[int]) -> None:
-        """Counts an optimizer step if it holds one of the module's parameters."""
-        if not self.param_ids.isdisjoint(optimizer_param_ids):
-            self.steps += 1
-
     def catch_up(self, steps: int) -> None:
         """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
         assert steps >= self.steps, (steps, self.steps)
         self.steps = steps
+
+
+class OptimizerSteps:
+    """Advances the training clocks: one global optimizer step post-hook (torch's public
+    ``register_optimizer_step_post_hook``) adds a step to every clock whose parameters
+    the stepped optimizer holds ([Note: desync detection]).
+
+    One per process, held by the registry (core/registry.py), which installs
+    it with the first replicated module and removes it with the last.
+    """
+
+    def __init__(self) -> None:
+        self.clocks: weakref.WeakSet[TrainingClock] = weakref.WeakSet()  # the live replicated modules' clocks
+        self.handle: Any = None  # torch's hook handle; None until installed
+        # optimizer -> (its param_groups' shape when read, ids of its parameters)
+        self.params_of: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], frozenset[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @torch.compiler.disable
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        shape = tuple(len(group["params"]) for group in optimizer.param_groups)
+        cached = self.params_of.get(optimizer)
+        if cached is None or cached[0] != shape:
+            ids = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
+            cached = self.params_of[optimizer] = (shape, ids)
+        for clock in list(self.clocks):
+            if not clock.param_ids.isdisjoint(cached[1]):
+                clock.steps += 1
+
+    def install(self) -> None:
+        """Registers the hook with torch, once."""
+        if self.handle is None:
+            self.handle = register_optimizer_step_post_hook(self)
+
+    def uninstall(self) -> None:
+        """Removes the hook from torch."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 class FlagSums(NamedTuple):

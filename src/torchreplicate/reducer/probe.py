@@ -24,12 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Optional, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    Iterator,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    TypeVar,
+)
 
+import torch
 from torch.autograd.profiler import record_function
 
 from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import profiler_active
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.bucket import Bucket
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -131,24 +147,27 @@ class Probe:
         if self.events is not None:
             self.events.backward(step)
 
-    def launched(self, bucket: int, from_hook: bool) -> None:
-        """``bucket``'s collective started, from a gradient hook or from the end of backward."""
+    @contextlib.contextmanager
+    def launching(self, bucket: int, from_hook: bool) -> Iterator[None]:
+        """Around the launch of ``bucket``'s collective, from a gradient hook or from the end of backward."""
+        with self.span("launch", bucket):
+            yield
         if self.events is not None:
             self.events.launch(bucket, from_hook)
 
-    def ending(self, step: int) -> None:
-        """The end-of-backward work of ``step`` started."""
+    def finalize(self, step: int) -> None:
+        """The end-of-backward work of ``step`` (``Reducer._finalize``) started."""
         if self.events is not None:
             self.events.finalize(step)
 
-    def waiting(self, bucket: int, what: str, step: int) -> None:
-        """The end of backward waits for ``bucket`` (``what``: its parameters, for the watchdog)."""
+    @contextlib.contextmanager
+    def waiting(self, bucket: int, what: str, step: int) -> Iterator[None]:
+        """Around the end of backward's wait for ``bucket`` (``what``: its parameters, for the watchdog)."""
         self.at(f"bucket {bucket} ({what})", step)
         if self.events is not None:
             self.events.waiting(bucket)
-
-    def done(self, bucket: int) -> None:
-        """``bucket``'s averages are in place."""
+        with self.span("wait", bucket):
+            yield
         if self.events is not None:
             self.events.done(bucket)
 
@@ -169,3 +188,49 @@ class Probe:
         """The module re-planned before ``step``."""
         if self.events is not None:
             self.events.replan(step)
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """One bucket of the layout a step ran with.
+
+    Attributes:
+        index: the bucket's index.
+        names: fully qualified names of its parameters, in buffer order.
+        numel: gradient elements.
+        nbytes: bytes of its gradients.
+    """
+
+    index: int
+    names: tuple[str, ...]
+    numel: int
+    nbytes: int
+
+    def describe(self, max_names: int = 3) -> str:
+        """The first parameter names, and how many more."""
+        shown = ", ".join(self.names[:max_names])
+        more = len(self.names) - max_names
+        return shown + (f" and {more} more" if more > 0 else "")
+
+
+class ReducerInfo(NamedTuple):
+    """What observers read of a reducer (``Reducer.info``): plain values, the layout as it is now.
+
+    Attributes:
+        device: where the buckets live (an observer's own collectives run there).
+        waiter: waits the reducer's collectives (the stall watchdog), or None.
+        buckets: the bucket layout, in launch order.
+    """
+
+    device: torch.device
+    waiter: Optional[StallWatch]
+    buckets: tuple[BucketInfo, ...]
+
+    @classmethod
+    def of(cls, buckets: Sequence[Bucket], waiter: Optional[StallWatch]) -> ReducerInfo:
+        """The view of ``buckets`` (a reducer's, in launch order)."""
+        infos = tuple(
+            BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
+            for b in buckets
+        )
+        return cls(buckets[0].buffer.device, waiter, infos)

@@ -1,17 +1,17 @@
 """The gradient reducer: the owner of every synchronised step.
 
 One ``Reducer`` per replicated module (rebuilt on a re-plan). It owns the
-buckets (bucket.py: each bucket and slot holds its own part of the step in
-progress, cleared by ``Bucket.reset``), a post-accumulate-grad hook per
-parameter, what the step in progress knows beyond them (launches, late
-gradients, first-ready order), the step counter, and what it learns between
-steps (firing counts, launch order, bucket cap: tuning.py). One step reads
-top to bottom here: the hooks fill buckets and launch the ready ones, the
-end-of-backward callback launches the rest, waits, reads the flags and runs
-the rounds after the buckets (rounds.py). How a slot is filled and a bucket
-reduced is the ``Reduction``'s job (reduction.py); where ``.grad`` lives is
-the ``GradLayout``'s (bucket.py). Every point of a step is reported to one
-``Probe`` (probe.py).
+buckets (bucket.py: each bucket owns its part of the step in progress, and
+where ``.grad`` lives), a post-accumulate-grad hook per parameter, the order
+of a step (buckets launch strictly by index), what the step in progress
+knows beyond its buckets (launches, late gradients, first-ready order), the
+step counter, and what it learns between steps (firing counts, launch order,
+bucket cap: tuning.py). One step reads top to bottom here: the hooks hand
+each gradient to its bucket and launch the ready ones, the end-of-backward
+callback launches the rest, waits, reads the flags and runs the rounds after
+the buckets (rounds.py). How a bucket travels is the ``Reduction``'s
+(reduction.py), bound to the buckets here. Every point of a step is reported
+to one ``Probe`` (probe.py).
 
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
@@ -36,7 +36,7 @@ watchdog names this rank. The reducer holds the callback it queued only
 weakly, so the first gradient hook of the next backward (a retry on a
 retained graph) sees it gone; the next forward with gradients sees the
 module still in ``BACKWARD`` outside any backward. Either ends the failed
-step (``end_failed_step``): it waits for the collectives the step launched, so
+step (``finalize_raised_backward``): it waits for the collectives the step launched, so
 every rank's sequence stays one, and sets every replicated parameter's
 ``.grad`` to None, as ``zero_grad(set_to_none=True)`` would, with a warning:
 the partial sums are neither this rank's gradients nor their average. The
@@ -68,19 +68,16 @@ from torchreplicate.errors import (
 from torchreplicate.reducer import tuning
 from torchreplicate.reducer.bucket import (
     Bucket,
-    GradLayout,
     ParamSlot,
-    ReducerInfo,
     adopt_in_backward_optimizers,
     layout_digest,
     step_in_backward_optimizers,
 )
 from torchreplicate.reducer.collectives import is_transport_error
-from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
-from torchreplicate.reducer.probe import Probe, labelled
-from torchreplicate.reducer.reduction import Reduction, WeakGroup
-from torchreplicate.reducer.rounds import LATE_ROUND, Round, StepEnd
+from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
+from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
+from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
@@ -102,7 +99,7 @@ class Reducer:
         policy: how the dense slots are laid out in buckets, and what is still to learn (tuning.py).
         sparse: the slots with sparse gradients, reduced outside the buckets (sparse.py).
         tied_rows: the tied parameters split by rows ([Note: tied parameters] in tied_rows.py).
-        layout: where ``.grad`` lives (bucket.py).
+        bucket_kind: where ``.grad`` lives (bucket.py's ``ViewBucket`` or ``CopyBucket``).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
@@ -119,7 +116,7 @@ class Reducer:
         policy: LayoutPolicy,
         sparse: SparseGrads,
         tied_rows: TiedRows,
-        layout: GradLayout,
+        bucket_kind: type[Bucket],
         reduction: Reduction,
         lifecycle: Lifecycle,
         sync: SyncSwitch,
@@ -129,15 +126,15 @@ class Reducer:
     ) -> None:
         # - Configuration, fixed for the reducer's life
         self.slots = list(slots)
-        self.layout = layout
-        self.lifecycle = lifecycle  # the module's one TrainingState: BACKWARD and ENDING are set here
+        self.bucket_kind = bucket_kind
+        self.lifecycle = lifecycle  # the module's one TrainingState: BACKWARD and FINALIZING are set here
         self.sync = sync
         self.probe = probe
         self.sparse = sparse
         self.tied_rows = tied_rows
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = policy
-        self.buckets = build_buckets(policy, num_flags(len(self.slots)), self.slots[0].param.device)
+        self.buckets = build_buckets(policy, num_flags(len(self.slots)), self.slots[0].param.device, bucket_kind)
         self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
         # - Reduction: how buckets travel; the flags ride with the last bucket
         #   ([Note: one collective sequence]) or on their own (comm hooks)
@@ -149,7 +146,7 @@ class Reducer:
         self.num_steps = num_steps  # synchronised backwards completed
         self._info: Optional[ReducerInfo] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
-        self.num_launched = 0  # buckets launched so far; always a prefix of the launch order
+        self.num_launched = 0  # buckets launched so far; always a prefix of the index order
         self.late = False  # a gradient arrived after its bucket was launched
         self.grew = False  # some parameter fired more often than learned so far
         self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
@@ -158,7 +155,8 @@ class Reducer:
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
         self._end: Callable[[], Optional[object]] = _no_callback
         self._register_hooks()
-        layout.adopt_grads(self.slots)
+        for bucket in self.buckets:
+            bucket.adopt_grads()
 
     # -- derived facts -------------------------------------------------------
 
@@ -179,10 +177,10 @@ class Reducer:
             self._info = ReducerInfo.of(self.buckets, self.probe.watch)
         return self._info
 
-    def _step_end(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> StepEnd:
+    def _round_inputs(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> RoundInputs:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
         divide_factor = self.reduction.divide_factor
-        return StepEnd(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
+        return RoundInputs(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
 
     def where(self, bucket: Bucket) -> str:
         """Rank, step and parameters, for errors a user must trace to a layer."""
@@ -215,7 +213,7 @@ class Reducer:
                 "step(s); register the hook before the first backward"
             )
         self.reduction = reduction
-        self.tied_rows = TiedRows((), self.sync, self.layout)  # a comm hook sees each whole gradient in its bucket
+        self.tied_rows = TiedRows((), self.sync)  # a comm hook sees each whole gradient in its bucket
         self._bind()
 
     def _bind(self) -> None:
@@ -224,10 +222,13 @@ class Reducer:
         # the plan fixed (rounds.py: sparse gradients, tied rows; an ordinary
         # plan has none), and the bytes one step sends.
         reduction, buckets = self.reduction, self.buckets
-        tail = reduction.bind(buckets, num_flags(len(self.slots)), self._group, self.probe.watch)
+        tensors = [BucketTensors(b.buffer, b.numel, b.params, b.views, [s.name for s in b.slots]) for b in buckets]
+        tail = reduction.bind(tensors, num_flags(len(self.slots)), self._group, self.probe.watch)
+        for bucket in buckets:
+            bucket.bind(reduction, reduction.scale(bucket.index))
         self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
-        self._wire_bytes = reduction.wire_bytes(buckets) + self.tied_rows.mask_bytes()
+        self._wire_bytes = reduction.wire_bytes() + self.tied_rows.mask_bytes()
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -241,7 +242,7 @@ class Reducer:
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
-        self.end_failed_step()  # if the last backward raised: [Note: a backward that raised]
+        self.finalize_raised_backward()  # if the last backward raised: [Note: a backward that raised]
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
@@ -266,7 +267,7 @@ class Reducer:
         if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other (torch_internals.num_post_...): 90 ns
             raise foreign_hook_error(slot)  # registered after replicate() (before: refused at set-up)
         if not self.sync.on:
-            self.layout.keep_local(slot)
+            slot.bucket.keep_local(slot)
             return
         if grad.dtype is not slot.dtype:
             raise changed_since_plan(slot, grad)
@@ -288,34 +289,19 @@ class Reducer:
     def _synced_grad(self, slot: ParamSlot) -> None:
         if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
             self.queue_finalize()
-        fired = slot.fired + 1
-        slot.fired = fired
-        if fired > slot.expected:
-            self.grew = True  # a count to learn at the end of the step
-            if fired == 1 and not self.layout_policy.learned:
-                self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
-                self.first_ready_ns.append(time.perf_counter_ns())
-        index = slot.bucket.index
+        bucket = slot.bucket
         events = self.probe.events
         if events is not None:
-            events.grad(index)
-        if index < self.num_launched:
+            events.grad(bucket.index)
+        if bucket.take(slot):
+            self._launch_ready()
+        elif bucket.launched:
             self.late = True  # the fresh .grad is reduced by the late round
-            return
-        try:
-            self.layout.absorb(slot, self.reduction)
-        except RuntimeError as error:
-            grad = slot.param.grad
-            if grad is not None and (
-                grad.is_sparse or grad.device != slot.bucket.buffer.device or local(grad).shape != slot.view.shape
-            ):
-                raise changed_since_plan(slot, grad) from error
-            raise
-        if fired == slot.expected:
-            bucket = slot.bucket
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch_ready()
+        if slot.fired > slot.expected:
+            self.grew = True  # a count to learn at the end of the step
+            if slot.fired == 1 and not self.layout_policy.learned:
+                self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
+                self.first_ready_ns.append(time.perf_counter_ns())
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
@@ -336,19 +322,15 @@ class Reducer:
         # collective sequence]).
         last = len(self.buckets) - 1
         while self.num_launched < last and self.buckets[self.num_launched].pending == 0:
-            bucket = self.buckets[self.num_launched]
-            self.layout.detach(bucket, self.reduction)
-            self._launch(bucket)
-            self.probe.launched(bucket.index, True)
+            self._launch(self.buckets[self.num_launched], True)
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket, from_hook: bool) -> None:
         # Launches `bucket`, the next in index order ([Note: one collective sequence]).
         assert bucket.index == self.num_launched, "buckets launch in index order"
-        with self.probe.span("launch", bucket.index):
+        with self.probe.launching(bucket.index, from_hook):
             self.num_launched += 1
-            self.reduction.finish_absorbing(bucket)
             try:
-                self.reduction.launch(bucket)
+                bucket.launch(from_hook)
             except (TypeError, ValueError) as error:
                 raise_with_place(error, self.where(bucket))
 
@@ -357,13 +339,25 @@ class Reducer:
     @labelled("finalize")
     @torch.no_grad()
     def _finalize(self) -> None:
-        # The autograd engine's end-of-backward callback ([Note: end of backward] in core/state.py).
-        self.lifecycle.now = TrainingState.ENDING
+        # The autograd engine's end-of-backward callback ([Note: end of backward]
+        # in core/state.py): launches every bucket the hooks did not (the last
+        # with the flags), waits for all, reads the summed flags, points .grad
+        # at the averages, runs the rounds after the buckets (the late round if
+        # any rank had a late gradient, then the plan's: rounds.py), learns.
+        self.lifecycle.now = TrainingState.FINALIZING
         end_ns = time.perf_counter_ns()
         try:
-            late = self._end_backward()
+            sums = self._reduce_rest()
+            late_grads: dict[int, torch.Tensor] = {}
+            for bucket in self.buckets:
+                late_grads.update(bucket.restore(sums.unused_everywhere, sums.any_late))
+            rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
+            if rounds:
+                inputs = self._round_inputs(sums, late_grads)
+                for round_ in rounds:
+                    round_.reduce(inputs)
             self._learn(end_ns)
-            self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=late))
+            self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
             if self.in_backward_optimizer_slots:
                 step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         except RuntimeError as error:
@@ -375,51 +369,31 @@ class Reducer:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
 
-    def _end_backward(self) -> bool:
-        # Completes the step: launches every bucket the hooks did not (the
-        # last with the flags), waits for all, reads the summed flags, points
-        # .grad at the averages, then runs the rounds after the buckets: the
-        # late round if any rank had a late gradient, then the plan's
-        # (rounds.py). Returns whether a late round ran.
-        num_early = self.num_launched  # launched from hooks, .grad detached
-        sums = self._reduce_rest()
-        late_grads = self.layout.restore(self.buckets, sums, num_early)
-        rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
-        if rounds:
-            end = self._step_end(sums, late_grads)
-            for round_ in rounds:
-                round_.reduce(end)
-        return sums.any_late
-
     def _reduce_rest(self) -> FlagSums:
         probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
-        probe.ending(num_steps)
+        probe.finalize(num_steps)
         unused_here = self.sparse.unused_here() if self.sparse.slots else []
         for bucket in buckets[self.num_launched :]:
-            for slot in bucket.slots:
-                if not self.layout.fill(slot, self.reduction):
-                    unused_here.append(slot.index)
+            unused_here += bucket.fill()
             if bucket is buckets[-1]:
                 self.flags.write(unused_here, self.late)
-            self._launch(bucket)
-            probe.launched(bucket.index, False)
+            self._launch(bucket, False)
         for bucket in buckets:
-            probe.waiting(bucket.index, bucket.description, num_steps)
-            with probe.span("wait", bucket.index):
+            with probe.waiting(bucket.index, bucket.description, num_steps):
                 try:
-                    self.reduction.wait(bucket)
+                    bucket.wait()
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
-            probe.done(bucket.index)
-        probe.at("the flags' all-reduce", num_steps)
-        self.reduction.reduce_flags()
+        if self.reduction.flags_apart:  # else they came back with the last bucket
+            probe.at("the flags' all-reduce", num_steps)
+            self.reduction.reduce_flags()
         sums = self.flags.read(unused_here)
         if not (sums.clocks_agree and sums.layouts_agree):
             digest = layout_digest(buckets, self.sparse.slots)
             raise desync_error(self.group, self.flags.clock.steps, digest, num_steps, sums.clocks_agree)
         return sums
 
-    def end_failed_step(self) -> None:
+    def finalize_raised_backward(self) -> None:
         """Ends the last synchronised backward if it raised before its end ran ([Note: a backward that raised]).
 
         Its end is gone when the engine let go of the callback queued for it,
@@ -431,7 +405,7 @@ class Reducer:
             return
         for bucket in self.buckets[: self.num_launched]:
             if bucket.work is not None:
-                self.reduction.wait(bucket)
+                bucket.wait()
         for slot in self.slots:
             slot.param.grad = None
         self._new_step()
@@ -442,11 +416,11 @@ class Reducer:
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
-        flags = real_view(self.reduction.shadow(self.buckets, num_flags(len(self.slots))))
+        flags = real_view(self.reduction.shadow(num_flags(len(self.slots))))
         any_late = flags[len(self.slots)].item() > 0  # the training ranks' late flag
-        end = self._step_end(FlagSums(frozenset(), any_late), {})
+        inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
-            round_.shadow(end)
+            round_.shadow(inputs)
         self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
         self.learn_layout(())
         self._new_step()
@@ -477,7 +451,7 @@ class Reducer:
         if not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.tied_rows.round_ns)
             if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
-                self.tied_rows, rebuild = TiedRows((), self.sync, self.layout), True
+                self.tied_rows, rebuild = TiedRows((), self.sync), True
         else:
             due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
@@ -486,8 +460,10 @@ class Reducer:
 
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
-        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), self.slots[0].param.device)
-        self.layout.adopt_grads(self.layout_policy.dense)
+        device = self.slots[0].param.device
+        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), device, self.bucket_kind)
+        for bucket in self.buckets:
+            bucket.adopt_grads()
         self._bind()
         self._info = None
 

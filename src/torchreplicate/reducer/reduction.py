@@ -3,15 +3,19 @@
 ``AllReduce`` is the default path: every rank's gradient is scaled on the way
 into its bucket and the buckets are summed by ``all_reduce`` (optionally in a
 lower-precision wire dtype). ``HookReduction`` hands each bucket to a
-DDP-style comm hook. The reducer drives either through the same calls:
-``bind`` once per bucket layout, then per synchronised backward ``absorb`` /
-``fold`` a fresh local gradient into its slot, ``launch`` and ``wait`` each
-bucket in index order, and ``reduce_flags`` once every bucket is back.
+DDP-style comm hook. Communication over tensors: ``bind`` once per bucket
+layout (each bucket's tensors, ``BucketTensors``), then per synchronised
+backward each bucket (bucket.py) calls ``launch`` and ``wait`` with its
+index, in index order, and the reducer ``reduce_flags`` once every bucket is
+back when the flags travel apart. Neither this file nor bucket.py imports
+the other: the reducer binds them.
 
 The step's collectives are here, with what they need: the process group,
-held weakly (``WeakGroup``), ``all_reduce`` and ``wait_for``, which wait
-through the stall watchdog (``Waiter``); the rounds after the buckets and
-the set-up collectives (collectives.py) use the same two.
+held weakly (``WeakGroup``), ``all_reduce``, ``broadcast_coalesced`` (the
+buffers before each forward, the parameters at set-up) and ``wait_for``,
+which wait through the stall watchdog (``Waiter``); the rounds after the
+buckets, the buffer sync and the set-up (collectives.py, core/setup.py) use
+them.
 """
 
 from __future__ import annotations
@@ -23,9 +27,31 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import complex_wire_error
-from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
+
+
+class BucketTensors(NamedTuple):
+    """What a reduction sees of one bucket: tensors only.
+
+    Attributes:
+        buffer: the flat buffer: the gradients, then (last bucket) the flags' room.
+        numel: how many of its elements are gradients.
+        params: the parameters, in buffer order (a comm hook's bucket lists them).
+        views: each parameter's gradient, a view into ``buffer``.
+        names: the parameters' fully qualified names, for errors.
+    """
+
+    buffer: torch.Tensor
+    numel: int
+    params: Sequence[torch.Tensor]
+    views: Sequence[torch.Tensor]
+    names: Sequence[str]
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient part of the buffer."""
+        return self.buffer[: self.numel]
 
 
 class WeakGroup:
@@ -90,7 +116,7 @@ def all_reduce(
 
 
 class Reduction:
-    """The interface: how slots are filled, and how a bucket is reduced.
+    """The interface: how a bucket's gradients travel and become their average.
 
     Subclasses keep their configuration from ``__init__`` and everything tied
     to one bucket layout from ``bind``, so one object serves every re-plan of
@@ -99,9 +125,10 @@ class Reduction:
 
     divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
     weak_group: Optional[WeakGroup] = None  # the group the collectives run on (set by bind)
+    flags_apart = False  # the flags travel in an all-reduce of their own (reduce_flags), not with the last bucket
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
+        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
         """Prepares for a bucket layout; returns where the flags travel (``num_flags`` elements).
 
@@ -110,27 +137,20 @@ class Reduction:
         """
         raise NotImplementedError
 
-    def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        """Writes this rank's first gradient for ``slot`` into its view, as the reduction wants it."""
+    def scale(self, index: int) -> Optional[torch.Tensor]:
+        """What bucket ``index``'s gradients are multiplied by on the way in (a 0-dim tensor), or None."""
+        return None
+
+    def launch(self, index: int) -> Any:
+        """Starts reducing bucket ``index``; returns the handle ``wait`` takes."""
         raise NotImplementedError
 
-    def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        """Adds a further accumulation to a slot already absorbed in this backward."""
-        raise NotImplementedError
-
-    def finish_absorbing(self, bucket: Bucket) -> None:
-        """Just before launch: brings slots filled in place to the absorbed form."""
-
-    def launch(self, bucket: Bucket) -> None:
-        """Starts reducing ``bucket``; leaves a handle in ``bucket.work``."""
-        raise NotImplementedError
-
-    def wait(self, bucket: Bucket) -> None:
-        """Waits for ``bucket``; its ``grads`` then hold the reduced average."""
+    def wait(self, index: int, handle: Any) -> None:
+        """Waits for bucket ``index``; its gradients then hold the reduced average."""
         raise NotImplementedError
 
     def reduce_flags(self) -> None:
-        """Once every bucket is back: sums the flags, if they did not travel with the last bucket."""
+        """Once every bucket is back: sums the flags, when they travel apart (``flags_apart``)."""
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """Changes the divisor (uneven inputs: the ranks still training; join.py); None: back to the default."""
@@ -143,11 +163,11 @@ class Reduction:
         """
         raise compiled_hook_error()
 
-    def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
-        """Bytes one backward hands to the collectives (per rank): the buckets as they travel."""
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in buckets)
+    def wire_bytes(self) -> int:
+        """Bytes one backward hands to the collectives (per rank): the bound buckets as they travel."""
+        raise NotImplementedError
 
-    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+    def shadow(self, num_flags: int) -> torch.Tensor:
         """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
         raise NotImplementedError
 
@@ -168,14 +188,16 @@ class AllReduce(Reduction):
     Each rank sends its gradient already divided by the divide factor, so the
     sum is the mean: no pass over the buckets after the collective. In
     ``gradient_as_bucket_view`` mode a fresh ``.grad`` is moved into its slot
-    as ``grad * scale`` in one pass (``absorb``), and ``.grad`` is detached
+    as ``grad * scale`` in one pass (``Bucket.take``), and ``.grad`` is detached
     (None) until the end of backward; a further accumulation in the same
     backward then arrives in a fresh ``.grad`` again and is folded in, scaled,
     unless the bucket has left (then it is late). Slots filled any other way
     (``.grad`` already the view, accumulated under ``no_sync``) are scaled in
-    place just before the bucket is launched (``finish_absorbing``). In copy
-    mode the copy into the slot at launch is the scaling pass. Late gradients
-    are unscaled and divided after their own round.
+    place just before the bucket is launched (``Bucket.launch``). In copy
+    mode the copy into the slot at launch is the scaling pass. The scale is
+    the reduction's (``scale``: a 0-dim tensor per bucket, changed in place
+    by ``set_divide_factor``); the bucket applies it. Late gradients are
+    unscaled and divided after their own round.
 
     Args:
         reduce_dtype: dtype gradients travel in; None: the parameters'.
@@ -190,6 +212,7 @@ class AllReduce(Reduction):
         self.gradient_divide_factor = gradient_divide_factor
         # - Bound to one bucket layout (bind)
         self._waiter: Optional[Waiter] = None  # waits each all-reduce (the stall watchdog), or None
+        self._buckets: Sequence[BucketTensors] = ()
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
         self.wires: list[torch.Tensor] = []
@@ -199,10 +222,11 @@ class AllReduce(Reduction):
         self.scales: list[torch.Tensor] = []
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
+        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
         self.weak_group = group
         self._waiter = waiter
+        self._buckets = buckets
         self.divide_factor = self._default_divide_factor()
         self.wires, self.scales = [], []
         for bucket in buckets:
@@ -210,7 +234,7 @@ class AllReduce(Reduction):
             wire = buffer
             if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
                 if buffer.is_complex():
-                    raise complex_wire_error(bucket.slots[0], self.reduce_dtype)
+                    raise complex_wire_error(bucket.names[0], buffer.dtype, self.reduce_dtype)
                 wire = torch.zeros(buffer.numel(), dtype=self.reduce_dtype, device=buffer.device)
             self.wires.append(wire)
             # real even for a complex bucket: a complex times a real scale is exact per part
@@ -218,6 +242,9 @@ class AllReduce(Reduction):
             self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype, device=buffer.device))
         last = buckets[-1]
         return self.wires[-1][last.numel : last.numel + num_flags]
+
+    def scale(self, index: int) -> Optional[torch.Tensor]:
+        return self.scales[index]
 
     def _default_divide_factor(self) -> float:
         # replicate(gradient_divide_factor=...), else the world size: the mean
@@ -232,7 +259,7 @@ class AllReduce(Reduction):
             for scale in self.scales:
                 scale.fill_(1.0 / divide_factor)
 
-    def wire_bytes(self, buckets: Sequence[Bucket]) -> int:
+    def wire_bytes(self) -> int:
         return sum(wire.numel() * wire.element_size() for wire in self.wires)  # in the reduce dtype
 
     def traced(self, grad: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -254,45 +281,26 @@ class AllReduce(Reduction):
             mean = mean.to(self.reduce_dtype)
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
-    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+    def shadow(self, num_flags: int) -> torch.Tensor:
         assert self.weak_group is not None, "bind() comes first"
         zeros = [torch.zeros_like(wire) for wire in self.wires]
         works = [all_reduce(z, self.weak_group.get(), self._waiter, async_op=True) for z in zeros]
         for work in works:
             assert work is not None
             wait_for(work, self._waiter)
-        last = buckets[-1]
+        last = self._buckets[-1]
         return zeros[-1][last.numel : last.numel + num_flags]
 
-    def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        torch.mul(grad, self.scales[slot.bucket.index], out=slot.view)
-
-    def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        slot.view.add_(grad, alpha=1.0 / self.divide_factor)
-
-    def finish_absorbing(self, bucket: Bucket) -> None:
-        done = sum([slot.absorbed for slot in bucket.slots])  # slots absorbed already; once per launch
-        if done == len(bucket.slots):
-            return
-        scale = self.scales[bucket.index]
-        if done == 0:
-            bucket.grads.mul_(scale)
-            return
-        for slot in bucket.slots:
-            if not slot.absorbed:
-                slot.view.mul_(scale)
-
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, index: int) -> Any:
         assert self.weak_group is not None, "bind() comes first"
-        wire = self.wires[bucket.index]
+        wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
             wire[: bucket.numel].copy_(bucket.grads)
-        bucket.work = all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
+        return all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
 
-    def wait(self, bucket: Bucket) -> None:
-        work, bucket.work = bucket.work, None
-        wait_for(work, self._waiter)
-        wire = self.wires[bucket.index]
+    def wait(self, index: int, handle: Any) -> None:
+        wait_for(handle, self._waiter)
+        wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
             bucket.grads.copy_(wire[: bucket.numel])
 
@@ -339,6 +347,8 @@ class HookReduction(Reduction):
         hook: the comm hook.
     """
 
+    flags_apart = True
+
     def __init__(self, state: Any, hook: CommHook) -> None:
         check_comm_hook(hook)
         # - Configuration
@@ -346,11 +356,13 @@ class HookReduction(Reduction):
         self.hook = hook
         # - Bound to one bucket layout (bind)
         self._waiter: Optional[Waiter] = None  # waits the flags' all-reduce (the stall watchdog), or None
-        self._buckets: Sequence[Bucket] = ()  # to wait for bucket k - 1 before calling the hook on k
+        self._buckets: Sequence[BucketTensors] = ()
         self._flags = torch.zeros(0)  # the flags' own tensor
+        # - Per step: the last bucket's future, waited before the next hook call
+        self._previous: Any = None
 
     def bind(
-        self, buckets: Sequence[Bucket], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
+        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
     ) -> torch.Tensor:
         # The hook launches its own collectives, waited through its futures:
         # only the flags' all-reduce is watched (docs/faults.md).
@@ -361,61 +373,128 @@ class HookReduction(Reduction):
         self._flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
         return self._flags
 
-    def shadow(self, buckets: Sequence[Bucket], num_flags: int) -> torch.Tensor:
+    def wire_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)
+
+    def _grad_bucket(self, index: int, grads: torch.Tensor, views: Sequence[torch.Tensor]) -> GradBucket:
+        # DDP's bucket object; complex as real: [Note: complex buckets and comm hooks]
+        return GradBucket(
+            index,
+            index == len(self._buckets) - 1,
+            real_parts(grads).view(-1),
+            list(self._buckets[index].params),  # type: ignore[arg-type]
+            [real_parts(view) for view in views],
+        )
+
+    def shadow(self, num_flags: int) -> torch.Tensor:
         # The hook on zero buckets, one at a time, then the flags' own all-reduce.
         assert self.weak_group is not None, "bind() comes first"
         future = None
-        for bucket in buckets:
+        for index, bucket in enumerate(self._buckets):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            grad_bucket = GradBucket(
-                bucket.index,
-                bucket.index == len(buckets) - 1,
-                real_parts(zeros).view(-1),
-                [s.param for s in bucket.slots],
-                [real_parts(view) for view in bucket.views_of(zeros)],
-            )
-            future = self.hook(self.state, grad_bucket)
+            offsets = [0]
+            for view in bucket.views:
+                offsets.append(offsets[-1] + view.numel())
+            views = [zeros[a:b].view_as(v) for a, b, v in zip(offsets, offsets[1:], bucket.views, strict=True)]
+            future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()
-        flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
+        flags = torch.zeros(num_flags, dtype=torch.float32, device=self._buckets[-1].buffer.device)
         all_reduce(flags, self.weak_group.get(), self._waiter)
         return flags
 
-    def absorb(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        slot.view.copy_(grad)
-
-    def fold(self, grad: torch.Tensor, slot: ParamSlot) -> None:
-        slot.view.add_(grad)
-
-    def launch(self, bucket: Bucket) -> None:
-        if bucket.index > 0:
-            self._buckets[bucket.index - 1].work.future.wait()  # [Note: hooks run one bucket at a time]
-        grad_bucket = GradBucket(  # complex as real: [Note: complex buckets and comm hooks]
-            bucket.index,
-            bucket.index == len(self._buckets) - 1,
-            real_parts(bucket.grads).view(-1),
-            [slot.param for slot in bucket.slots],
-            [real_parts(slot.view) for slot in bucket.slots],
-        )
+    def launch(self, index: int) -> Any:
+        if index > 0:
+            self._previous.wait()  # [Note: hooks run one bucket at a time]
+        bucket = self._buckets[index]
+        grad_bucket = self._grad_bucket(index, bucket.grads, bucket.views)
         future = self.hook(self.state, grad_bucket)
         # Duck-typed: Work.get_future() and Future.then() return torch's C++
         # future type, of which torch.futures.Future is only a subclass.
         if not callable(getattr(future, "wait", None)):
             raise TypeError(
-                f"comm hook: must return a torch.futures.Future, but for bucket {bucket.index} "
+                f"comm hook: must return a torch.futures.Future, but for bucket {index} "
                 f"returned {type(future).__name__}"
             )
-        bucket.work = _HookCall(future, grad_bucket)
+        self._previous = future
+        return _HookCall(future, grad_bucket)
 
-    def wait(self, bucket: Bucket) -> None:
-        call, bucket.work = bucket.work, None
-        result = hook_result(call.future.wait(), call.grad_bucket)
-        grads = real_parts(bucket.grads).view(-1)  # what the hook was handed
+    def wait(self, index: int, handle: Any) -> None:
+        result = hook_result(handle.future.wait(), handle.grad_bucket)
+        grads = real_parts(self._buckets[index].grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
             grads.copy_(result.reshape(-1))
 
     def reduce_flags(self) -> None:
         assert self.weak_group is not None, "bind() comes first"
         all_reduce(self._flags, self.weak_group.get(), self._waiter)
+
+
+@torch.no_grad()
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    src_rank: int = 0,
+    in_place: bool = True,
+    waiter: Optional[Waiter] = None,
+) -> list[torch.Tensor]:
+    """Broadcasts tensors from ``src_rank`` in one collective per device.
+
+    Tensors of every dtype travel together as bytes, so a BatchNorm's float
+    statistics and its int64 counter cost one broadcast, not two.
+
+    Args:
+        tensors: what to broadcast; the same shapes and dtypes on every rank.
+        group: the process group.
+        src_rank: group rank whose values everyone takes. Default 0.
+        in_place: copy the result into ``tensors`` (True, default) or return
+            fresh tensors and leave the inputs untouched (False), for tensors a
+            live autograd graph may have saved.
+        waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
+
+    Returns:
+        The broadcast tensors: ``tensors`` themselves when ``in_place``, else
+        new tensors in the same order.
+    """
+    results: list[torch.Tensor] = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    src = dist.get_global_rank(group, src_rank)
+    for indices in by_device.values():
+        members = [tensors[i].detach() for i in indices]
+        flat = _pack_bytes(members)
+        wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
+        offset = 0
+        for i, tensor in zip(indices, members, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            offset += _padded(nbytes)
+            if in_place:
+                tensor.copy_(piece)
+            else:
+                # a tensor of its own, not a view of `flat`: torch.compile refuses
+                # graph inputs that share storage ("view input mutations")
+                results[i] = piece.clone()
+    return results
+
+
+_ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _pack_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    total = sum(_padded(t.numel() * t.element_size()) for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset : offset + nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+        offset += _padded(nbytes)
+    return flat

@@ -1,6 +1,6 @@
 """The rounds after the buckets at the end of a synchronised backward: one interface.
 
-Once every bucket is back and the flags are summed (``Reducer._end_backward``),
+Once every bucket is back and the flags are summed (``Reducer._finalize``),
 a training rank runs each of its reducer's rounds in this order: the late
 round (``LateRound``, here), only when the flags say some rank had a late
 gradient; then the rounds its plan fixed (``Reducer.rounds``): the sparse
@@ -27,7 +27,7 @@ from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reduction import all_reduce
 
 
-class StepEnd(NamedTuple):
+class RoundInputs(NamedTuple):
     """What every round at the end of one synchronised backward reads, the same for each.
 
     Attributes:
@@ -54,10 +54,10 @@ class StepEnd(NamedTuple):
 class Round(Protocol):
     """One agreed round after the buckets: every rank runs it, a training rank or a joined one."""
 
-    def reduce(self, end: StepEnd) -> None:
+    def reduce(self, end: RoundInputs) -> None:
         """A training rank's part: adds this round's averages to ``.grad``."""
 
-    def shadow(self, end: StepEnd) -> None:
+    def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part: the same collectives, zeros; no ``.grad`` changes."""
 
 
@@ -67,13 +67,13 @@ class LateRound:
     [Note: the late round]
     A parameter's hook may fire again after its bucket left (the graph changed
     between steps: [Note: when is a parameter ready] in bucket.py). That
-    gradient landed in a fresh, detached ``.grad`` (``GradLayout.restore`` hands
+    gradient landed in a fresh, detached ``.grad`` (``Bucket.restore`` hands
     it back), and the flags told every rank that some rank has one. So every
     rank runs one more round, whatever it holds itself: the same collectives,
     in bucket order, zeros where a rank has nothing late.
     """
 
-    def reduce(self, end: StepEnd) -> None:
+    def reduce(self, end: RoundInputs) -> None:
         """Adds the mean of every rank's late gradients to the reduced ``.grad``."""
         probe = end.probe
         with probe.span("late_round"):
@@ -95,7 +95,7 @@ class LateRound:
                         local(grad).add_(piece)
             probe.late_round(False, end.step)
 
-    def shadow(self, end: StepEnd) -> None:
+    def shadow(self, end: RoundInputs) -> None:
         """Zeros for every bucket."""
         for bucket in end.buckets:
             all_reduce(torch.zeros_like(bucket.grads), end.group, end.probe.watch)

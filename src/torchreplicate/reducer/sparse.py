@@ -16,7 +16,7 @@ import torch
 
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import all_reduce
-from torchreplicate.reducer.rounds import StepEnd
+from torchreplicate.reducer.rounds import RoundInputs
 
 
 class SparseGrads:
@@ -33,7 +33,7 @@ class SparseGrads:
         """Indices of the sparse parameters this rank has no gradient for."""
         return [slot.index for slot in self.slots if slot.param.grad is None]
 
-    def reduce(self, end: StepEnd) -> None:
+    def reduce(self, end: RoundInputs) -> None:
         """All-reduces every sparse gradient and writes back its average (or None): a round (rounds.py)."""
         end.probe.at("sparse gradients", end.step)
         for slot in self.slots:
@@ -51,7 +51,7 @@ class SparseGrads:
             all_reduce(summed, end.group, end.probe.watch)
             param.grad = None if slot.index in end.sums.unused_everywhere else (summed / end.divide_factor).coalesce()
 
-    def shadow(self, end: StepEnd) -> None:
+    def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part (join.py): an empty gradient for every sparse parameter."""
         for slot in self.slots:
             all_reduce(_empty_like(slot.param), end.group, end.probe.watch)

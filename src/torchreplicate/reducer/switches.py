@@ -22,7 +22,8 @@ class TrainingState(enum.Enum):
     IDLE = "idle"  # between steps (also: a forward without gradients, a backward not synchronised)
     FORWARD = "forward"  # inside the root's forward with gradients enabled; tied holders detach only here
     BACKWARD = "backward"  # a synchronised backward: its end is queued on the autograd engine; hooks fill buckets
-    ENDING = "ending"  # the end-of-backward callback: remaining launches, waits, the flags, the rounds, learning
+    # the end-of-backward callback (Reducer._finalize): remaining launches, waits, the flags, the rounds, learning
+    FINALIZING = "finalizing"
     SHADOWING = "shadowing"  # a joined rank in Join's main_hook runs the others' collectives with zeros
     NESTED = "nested"  # an enclosing replicated module reduces this one ([Note: nested replicate]); permanent
 

@@ -45,9 +45,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchreplicate.reducer.bucket import GradLayout, ParamSlot
+from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import Waiter, all_reduce
-from torchreplicate.reducer.rounds import StepEnd
+from torchreplicate.reducer.rounds import RoundInputs
 from torchreplicate.reducer.switches import SyncSwitch
 
 
@@ -57,13 +57,11 @@ class TiedRows:
     Args:
         slots: the slots of the tied parameters ([Note: tied parameters]).
         sync: the module's gradient-sync switch (``no_sync`` keeps a detached use's gradient local).
-        layout: where ``.grad`` lives (bucket.py).
     """
 
-    def __init__(self, slots: Sequence[ParamSlot], sync: SyncSwitch, layout: GradLayout) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], sync: SyncSwitch) -> None:
         self.slots = list(slots)
         self.sync = sync
-        self.layout = layout
         self.by_index = {slot.index: slot for slot in self.slots}
         self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
         self.rows_bytes = 0  # what the last round sent in rows (the same on every rank)
@@ -87,14 +85,14 @@ class TiedRows:
             param.grad = grad.detach()
         else:
             param.grad.add_(grad)
-        self.layout.keep_local(slot)
+        slot.bucket.keep_local(slot)  # where .grad lives is its bucket's
 
     def mask_bytes(self) -> int:
         """Bytes of the rows mask each round all-reduces."""
         return 4 * sum(_num_rows(slot.param) for slot in self.slots)
 
     @torch.no_grad()
-    def reduce(self, end: StepEnd) -> None:
+    def reduce(self, end: RoundInputs) -> None:
         """Adds the mean of every rank's detached uses' gradients to the reduced ``.grad``, by rows.
 
         A round (rounds.py): on every rank at the end of a synchronised
@@ -124,7 +122,7 @@ class TiedRows:
         self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
-    def shadow(self, end: StepEnd) -> None:
+    def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part (join.py): the same collectives, zeros."""
         waiter = end.probe.watch
         for slot, picked in zip(self.slots, self._agree_rows(end.group, waiter, {}), strict=True):

@@ -225,7 +225,7 @@ class LayoutPolicy:
         return sum(p.numel() * p.element_size() for p in (local(slot.param) for slot in self.dense))
 
 
-def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) -> list[Bucket]:
+def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device, kind: type[Bucket]) -> list[Bucket]:
     """The buckets ``policy`` lays out now; the last keeps ``num_flags`` elements of room for the flags.
 
     Args:
@@ -233,14 +233,15 @@ def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device) ->
         num_flags: the flags' room (flags.py).
         device: where the flags travel when no slot is dense (only sparse
             parameters still need a bucket for them).
+        kind: where ``.grad`` lives (bucket.py's ``bucket_kind``).
     """
     dense = policy.dense
     if not dense:
-        return [Bucket(0, [], torch.float32, device, extra=num_flags)]
+        return [kind(0, [], torch.float32, device, extra=num_flags)]
     specs = scheduled_layout(policy) or plan_layout(policy, policy.cap_bytes, policy.first_cap_bytes)
     last = len(specs) - 1
     return [
-        Bucket(
+        kind(
             index,
             [dense[i] for i in spec.param_indices],
             spec.dtype,
