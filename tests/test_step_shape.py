@@ -105,7 +105,9 @@ def test_one_realistic_step_runs_in_the_documented_files(pools):
             f"{READ_IN_ORDER} and the leaves {LEAVES}"
         )
         listing = "\n".join(f"  {a} -> {b}" for a, b in shape.pairs)
-        assert len(shape.pairs) <= MAX_PAIRS, f"{len(shape.pairs)} cross-file call pairs (at most {MAX_PAIRS}):\n{listing}"
+        assert len(shape.pairs) <= MAX_PAIRS, (
+            f"{len(shape.pairs)} cross-file call pairs (at most {MAX_PAIRS}):\n{listing}"
+        )
     page = ARCHITECTURE.read_text()
     walk = page[page.index("## One step, as data flows") :]
     assert [walk.index(f"`{name}`") for name in READ_IN_ORDER] == sorted(
