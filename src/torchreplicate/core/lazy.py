@@ -34,8 +34,6 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.core import setup
-
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
 
@@ -117,4 +115,4 @@ class _LazyWatch:
             return  # replicate() failed part-way
         state.lazy.release(module)
         if not state.nested:  # else the enclosing replicated module re-plans
-            setup.replan_if_changed(state)
+            state.replan_if_changed()

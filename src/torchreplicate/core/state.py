@@ -7,8 +7,9 @@ and holds the handles of the others ``replicate()`` installs on modules
 (lazy modules'; tied holders' through its ``TiedUses``); the parameters'
 gradient hooks are its reducer's.
 The plan-time work (set-up, the cross-rank checks and broadcasts, building
-the reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's;
-gradient reduction is reducer.py's.
+the reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's,
+whose functions return what they decide; the state assigns it in one place
+(``install``). Gradient reduction is reducer.py's.
 
 Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check and the buffer broadcast ([Note:
@@ -38,17 +39,18 @@ from torchreplicate.core.buffers import BufferSync
 from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
-from torchreplicate.core.plan import EMPTY_PLAN, Plan
+from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
 from torchreplicate.core.registry import registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.errors import ddp_on_top_error
+from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, compiled_hook_error
-from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     active_ddp_module,
     claimed_elsewhere,
@@ -191,7 +193,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = setup.build_reducer(self, None)
+            self.reducer = self._build_reducer(None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -285,7 +287,7 @@ class ReplicateState:
         """After ``.to()``, ``.double()``, ... or a new DDP ignore list: re-check at the next forward."""
         self._num_noted_changes += 1
 
-    # -- set-up and re-planning (setup.py) ----------------------------------
+    # -- set-up and re-planning (setup.py decides, install assigns) ------------
 
     def init(self) -> None:
         """At ``replicate()``: plans, checks across ranks, broadcasts everything, builds the reducer."""
@@ -293,7 +295,82 @@ class ReplicateState:
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
         self._handles += self.lazy.watch(self)  # planned as they materialise ([Note: lazy modules])
-        setup.init(self)
+        plan = self._plan_now()
+        token = setup.run_token(self.collective_device())
+        buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
+        self.install(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
+
+    def replan_if_changed(self) -> None:
+        """Walks the module tree (the stamp moved, or a lazy module materialised); re-plans if the plan changed.
+
+        A re-plan runs collectives that every rank must run at the same
+        forward. If one rank's change is its own (a layer frozen on one rank
+        only), the others are elsewhere: the watchdog's note says what changed
+        here, so every rank's error names the parameters.
+        """
+        plan = self._plan_now()
+        if plan.same_as(self.plan):
+            return
+        change = describe_change(self.plan, plan)
+        step = 0 if self.reducer is None else self.reducer.num_steps
+        self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
+        watch = self.probe.watch
+        try:
+            self.install(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
+        except RuntimeError as error:
+            if watch is None or not is_transport_error(error):
+                raise
+            raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
+        self.probe.replanned(step)
+
+    def _plan_now(self) -> Plan:
+        # What the tree replicates now; notes the stamp it was planned at.
+        self.planned_stamp = self.stamp()
+        inner = nested.nest_inner(self)
+        return setup.plan_tree(self.module, self.config.ignored_modules, self.lazy.modules(), inner)
+
+    def install(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
+        """Makes ``plan`` the state's: checks it across ranks, broadcasts ``to_broadcast`` from rank 0, builds its
+        reducer, handed what the previous one learned. At ``replicate()``, ``token`` (broadcast too) keys the
+        watchdog. The one place where what setup.py decides is assigned."""
+        learned: Optional[Learned] = None
+        self.drop_tied()
+        if self.reducer is not None:
+            learned = self.reducer.learned
+            self.reducer.remove_hooks()
+            self.reducer = None
+        if self.lifecycle.now in (TrainingState.BACKWARD, TrainingState.FINALIZING):
+            self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
+        self.plan = plan
+        if self.mixed is not None:
+            self.mixed.install(self.module, plan)
+        self.clock.param_ids = frozenset(id(p) for p in plan.params)
+        group, watch = self.group, self.probe.watch
+        setup.agree(plan, group, self.collective_device(), self.config.wire_options, watch, to_broadcast)
+        if token is not None:
+            watch = self.probe.watch = setup.start_watch(group, self.config.stall_timeout_s, token)
+            if watch is not None:
+                # released: a last note; at interpreter exit the watch's own hook says "exited" instead
+                weakref.finalize(self, watch.leave, "released its replica").atexit = False
+        if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
+            self.reducer = self._build_reducer(learned)
+        self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
+        self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe)
+
+    def _build_reducer(self, learned: Optional[Learned]) -> Reducer:
+        return setup.build_reducer(
+            self.module,
+            self.plan,
+            self.config,
+            self.reduction,
+            self.group,
+            mixed=self.mixed is not None,
+            lifecycle=self.lifecycle,
+            sync=self.sync,
+            clock=self.clock,
+            probe=self.probe,
+            learned=learned,
+        )
 
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
@@ -349,7 +426,7 @@ class ReplicateState:
         self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
-            setup.replan_if_changed(self)
+            self.replan_if_changed()
         buffer_sync = self.buffer_sync
         if buffer_sync.refs and buffer_sync.before_forward and buffer_sync.due:  # [Note: buffer sync] in buffers.py
             buffer_sync.broadcast(buffer_source)
