@@ -39,9 +39,11 @@ buffer hold on each rank what they would hold under DDP on the same job:
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+from torch import nn
 
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.reducer.collectives import is_transport_error
@@ -49,8 +51,10 @@ from torchreplicate.reducer.reduction import WeakGroup, broadcast_coalesced
 from torchreplicate.torch_internals import preserved_versions
 
 if TYPE_CHECKING:
-    from torchreplicate.core.plan import BufferRef
     from torchreplicate.reducer.probe import Probe
+
+
+BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 
 
 def values_of(refs: Sequence[BufferRef]) -> list[torch.Tensor]:

@@ -27,15 +27,12 @@ the root's forward, which would already be under way).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.hooks import RemovableHandle
-
-if TYPE_CHECKING:
-    from torchreplicate.core.state import ReplicateState
 
 
 def _unmaterialised(module: nn.Module) -> bool:
@@ -57,18 +54,24 @@ class LazyModules:
         """The lazy modules still pending (what the plan skips)."""
         return [m for m in (ref() for ref in self._pending) if m is not None]
 
-    def watch(self, state: ReplicateState) -> list[RemovableHandle]:
-        """Installs the re-plan hook on every lazy module of ``state``'s tree that is not materialised yet.
+    def watch(self, root: nn.Module, mixed: bool, materialised: Callable[[nn.Module], None]) -> list[RemovableHandle]:
+        """Installs a hook on every lazy module of ``root``'s tree that is not materialised yet.
+
+        Args:
+            root: the replicated module.
+            mixed: whether an ``mp_policy`` casts around its forward.
+            materialised: a bound method (held weakly), called with a lazy
+                module once it materialised in a forward with gradients.
 
         Raises:
             ValueError: a lazy root, or a lazy module under an ``mp_policy``, naming it and the fix.
         """
         handles = []
-        for name, module in state.module.named_modules():
+        for name, module in root.named_modules():
             if not _unmaterialised(module):
                 continue
-            _refuse_unsafe(state, name, module)
-            watch = _LazyWatch(state, module)
+            _refuse_unsafe(module is root, mixed, name, module)
+            watch = _LazyWatch(materialised, module)
             watch.handle = module.register_forward_pre_hook(watch)  # after torch's: runs once it materialised
             handles.append(watch.handle)
             self._pending.append(weakref.ref(module))
@@ -79,14 +82,14 @@ class LazyModules:
         self._pending = [ref for ref in self._pending if ref() is not module and ref() is not None]
 
 
-def _refuse_unsafe(state: ReplicateState, name: str, module: nn.Module) -> None:
-    if module is state.module and getattr(module, "cls_to_become", None) is not None:
+def _refuse_unsafe(is_root: bool, mixed: bool, name: str, module: nn.Module) -> None:
+    if is_root and getattr(module, "cls_to_become", None) is not None:
         raise ValueError(
             f"replicate(): the root {type(module).__name__} is a lazy module that is not materialised yet, "
             "and torch replaces its class when it materialises (dropping replicate()'s methods); run one "
             "forward first (a dry run with an input of the right shape), or replicate a module that holds it"
         )
-    if state.mixed is not None:
+    if mixed:
         raise ValueError(
             f"replicate(): {name} ({type(module).__name__}) is a lazy module that is not materialised yet, "
             "and mp_policy casts around the forward that would materialise it; run one forward first "
@@ -97,10 +100,13 @@ def _refuse_unsafe(state: ReplicateState, name: str, module: nn.Module) -> None:
 class _LazyWatch:
     """Re-plans once its lazy module materialised, in a forward with gradients ([Note: lazy modules])."""
 
-    __slots__ = ("state_ref", "module_ref", "handle")
+    __slots__ = ("owner_ref", "method", "module_ref", "handle")
 
-    def __init__(self, state: ReplicateState, module: nn.Module) -> None:
-        self.state_ref = weakref.ref(state)  # the module's state holds the handle; no cycle
+    def __init__(self, materialised: Callable[[nn.Module], None], module: nn.Module) -> None:
+        # the state's bound method, its owner held weakly (the state holds the handle: no cycle);
+        # a weakref.ref, not a WeakMethod: a deep copy of the model copies this hook, and a ref copies
+        self.owner_ref = weakref.ref(materialised.__self__)  # type: ignore[attr-defined]
+        self.method = materialised.__func__  # type: ignore[attr-defined]
         self.module_ref = weakref.ref(module)  # the watched module (a deep copy carries this hook too)
         self.handle: Optional[RemovableHandle] = None  # set right after registering
 
@@ -110,9 +116,6 @@ class _LazyWatch:
             return  # no collective without gradients; still lazy: torch raised its own error; a deep copy
         assert self.handle is not None, "set at registration"
         self.handle.remove()
-        state = self.state_ref()
-        if state is None:
-            return  # replicate() failed part-way
-        state.lazy.release(module)
-        if not state.nested:  # else the enclosing replicated module re-plans
-            state.replan_if_changed()
+        owner = self.owner_ref()
+        if owner is not None:  # else replicate() failed part-way
+            self.method(owner, module)

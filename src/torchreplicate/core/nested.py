@@ -17,15 +17,11 @@ skips them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
+from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.registry import find_state
 from torchreplicate.torch_internals import fully_sharded_modules
-
-if TYPE_CHECKING:
-    from torchreplicate.core.state import ReplicateState
 
 # What decides how a parameter is reduced: nested modules must agree on it.
 REDUCTION_OPTIONS = ("gradient_as_bucket_view", "broadcast_buffers", "wire_dtype", "gradient_divide_factor")
@@ -57,28 +53,18 @@ def refuse_inside_fully_shard(module: nn.Module) -> None:
             )
 
 
-def nest_inner(outer: ReplicateState) -> list[nn.Module]:
-    """Hands every replicated module inside ``outer``'s module to ``outer``; returns them.
-
-    Raises:
-        ValueError: one of them disagrees with ``outer`` on how gradients are reduced.
-    """
-    module = outer.module
-    inner = [m for m in module.modules() if m is not module and find_state(m) is not None]
-    for submodule in inner:
-        state = find_state(submodule)
-        assert state is not None
-        state.nest_into(outer)
-    return inner
+def replicated_inside(module: nn.Module) -> list[nn.Module]:
+    """The replicated modules inside ``module`` (``replicate()`` applied to them), outermost first."""
+    return [m for m in module.modules() if m is not module and find_state(m) is not None]
 
 
-def check_same_reduction(inner: ReplicateState, outer: ReplicateState) -> None:
-    """Raises ValueError where ``inner`` and ``outer`` differ in an option of ``REDUCTION_OPTIONS``."""
+def check_same_reduction(inner: ReplicateConfig, outer: ReplicateConfig, inner_name: str, outer_name: str) -> None:
+    """Raises ValueError where ``inner`` and ``outer`` (of the modules so named) differ in a ``REDUCTION_OPTIONS``."""
     for option in REDUCTION_OPTIONS:
-        mine, theirs = getattr(inner.config, option), getattr(outer.config, option)
+        mine, theirs = getattr(inner, option), getattr(outer, option)
         if mine != theirs:
             raise ValueError(
-                f"replicate(): nested replicate() calls disagree on {option} ({class_name(inner.module)}: "
-                f"{mine}, the enclosing {class_name(outer.module)}: {theirs}); the outermost reduces "
+                f"replicate(): nested replicate() calls disagree on {option} ({inner_name}: "
+                f"{mine}, the enclosing {outer_name}: {theirs}); the outermost reduces "
                 "every parameter in one collective sequence, so pass the same options to both"
             )

@@ -38,13 +38,11 @@ from typing import Collection, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.core.buffers import values_of
+from torchreplicate.core.buffers import BufferRef, values_of
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import in_backward_optimizers
 
 IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"  # DDP's: names of parameters and buffers left alone
-
-BufferRef = tuple["weakref.ref[nn.Module]", str]  # owner (held weakly: the root is often one) and name
 
 
 class Plan(NamedTuple):

@@ -40,7 +40,7 @@ from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
-from torchreplicate.core.registry import registrations
+from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.errors import ddp_on_top_error
 from torchreplicate.reducer.collectives import is_transport_error
@@ -255,7 +255,7 @@ class ReplicateState:
         """
         if self._outer is not None and self._outer() is outer:
             return
-        nested.check_same_reduction(self, outer)
+        nested.check_same_reduction(self.config, outer.config, class_name(self.module), class_name(outer.module))
         if self._group is not None and outer._group is not None and self.group is not outer.group:
             raise ValueError(
                 f"replicate(): nested replicate() calls use different process groups ({class_name(self.module)} "
@@ -294,7 +294,8 @@ class ReplicateState:
         self._group = setup.process_group(self._given_group)
         if self.config.device_id is not None:
             self.module.to(self.config.device_id)
-        self._handles += self.lazy.watch(self)  # planned as they materialise ([Note: lazy modules])
+        # planned as they materialise ([Note: lazy modules])
+        self._handles += self.lazy.watch(self.module, self.mixed is not None, self._lazy_materialised)
         plan = self._plan_now()
         token = setup.run_token(self.collective_device())
         buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
@@ -323,10 +324,20 @@ class ReplicateState:
             raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
         self.probe.replanned(step)
 
+    def _lazy_materialised(self, module: nn.Module) -> None:
+        # A lazy module materialised in a forward with gradients: planned from now on.
+        self.lazy.release(module)
+        if not self.nested:  # else the enclosing replicated module re-plans
+            self.replan_if_changed()
+
     def _plan_now(self) -> Plan:
         # What the tree replicates now; notes the stamp it was planned at.
         self.planned_stamp = self.stamp()
-        inner = nested.nest_inner(self)
+        inner = nested.replicated_inside(self.module)
+        for module in inner:  # the outermost reduces ([Note: nested replicate])
+            inner_state = find_state(module)
+            assert inner_state is not None, "replicated_inside found it"
+            inner_state.nest_into(self)
         return setup.plan_tree(self.module, self.config.ignored_modules, self.lazy.modules(), inner)
 
     def install(self, plan: Plan, to_broadcast: list[torch.Tensor], token: Optional[torch.Tensor] = None) -> None:
