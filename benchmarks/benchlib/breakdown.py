@@ -364,8 +364,14 @@ def _copy_microbenchmark_ms(engine: Engine) -> Optional[float]:
     reducer = engine.reducer
     if reducer is None:
         return None
-    pairs = [(torch.randn_like(slot.param), slot) for slot in reducer.slots]
-    absorb = reducer.reduction.absorb
+    pairs = [(torch.randn_like(slot.param), slot) for slot in reducer.slots if getattr(slot, "bucket", None)]
+    absorb = getattr(reducer.reduction, "absorb", None)  # before issue 37 the reduction absorbed into slots
+    if absorb is None:
+
+        def absorb(grad: torch.Tensor, slot: Any) -> None:  # the bucket's multiply on the way in (bucket.py)
+            scale = slot.bucket.scale
+            torch.mul(grad, scale, out=slot.view) if scale is not None else slot.view.copy_(grad)
+
     for grad, slot in pairs:
         absorb(grad, slot)
     best = float("inf")

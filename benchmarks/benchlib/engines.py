@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchlib.models import build_model, loss_of
 from torchreplicate import ReplicateModule, replicate
-from torchreplicate.core.setup import build_reducer
 from torchreplicate.reducer.reducer import Reducer
 
 # What build_engine makes:
@@ -29,8 +28,10 @@ from torchreplicate.reducer.reducer import Reducer
 # - reducer: replicate(), plus the reducer it builds at world size 2 (at world
 #   size 1 it builds none): its bookkeeping when collectives are nearly free;
 # - noop_hooks: one empty Python post-accumulate-grad hook per parameter, the
-#   floor of any reducer driven by Python hooks.
-ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "reducer", "noop_hooks")
+#   floor of any reducer driven by Python hooks;
+# - ours_before: replicate() defaults of an earlier revision (benchlib/before.py),
+#   imported as torchreplicate_before from sys.path (bench_before_after.py).
+ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "reducer", "noop_hooks", "ours_before")
 
 
 class Engine:
@@ -113,6 +114,12 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
         return Engine(kind, model_name, replicate(model), model)
     if kind == "ours_tuned":
         return Engine(kind, model_name, replicate(model, bucket_layout="tuned"), model)
+    if kind == "ours_before":
+        import torchreplicate_before  # type: ignore[import-not-found]  # on sys.path: benchlib/before.py
+
+        replicated = torchreplicate_before.replicate(model)
+        reducer = torchreplicate_before.replicate.state(replicated).reducer
+        return Engine(kind, model_name, replicated, model, reducer=reducer)
     if kind == "reducer":
         replicated = replicate(model)
         return Engine(kind, model_name, replicated, model, reducer=build_internal_reducer(replicated))
@@ -129,7 +136,7 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
 def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """Our reducer for a module ``replicate()`` wrapped at world size 1, where it builds none.
 
-    Built by the library's own ``core.setup.build_reducer``, so it gets
+    Built by the state's own ``build_reducer``, so it gets
     exactly the options and collaborators ``replicate()`` gives a reducer at
     world size 2, whatever the constructor takes. The state does not hold it,
     so ``replicate()``'s forward hooks behave as in the ``ours`` engine; the
@@ -137,4 +144,4 @@ def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """
     state = replicate.state(replicated)
     assert state.reducer is None, "replicate() builds no reducer at world size 1"
-    return build_reducer(state, None)
+    return state.build_reducer(None)

@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_NAMES = ("mlp", "gpt", "small")
+MODEL_NAMES = ("mlp", "gpt", "small")  # bench_ddp.py's default set
+EXTRA_MODEL_NAMES = ("bn",)  # asked for by name: bench_before_after.py's realistic step
 MODEL_TITLES = {
     "mlp": "MLP 8x Linear(1024,1024)",
     "gpt": "GPT 6L d256 V8192 (tied)",
     "small": "64x (Linear(128)+LayerNorm)",
+    "bn": "8x (Linear(1024)+BatchNorm1d) (buffers, 3 buckets)",
 }
 
 GPT_SEQ = 64
@@ -81,20 +83,25 @@ def build_model(name: str) -> nn.Module:
         return nn.Sequential(*layers)
     if name == "gpt":
         return GPT()
-    raise ValueError(f"build_model(): unknown model {name!r}; expected one of {MODEL_NAMES}")
+    if name == "bn":  # tests/test_step_shape.py's realistic step
+        layers = []
+        for _ in range(8):
+            layers += [nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(1024, 1024))
+    raise ValueError(f"build_model(): unknown model {name!r}; expected one of {MODEL_NAMES + EXTRA_MODEL_NAMES}")
 
 
 def make_batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed (input, target) batch of ``rank``, different on every rank."""
     g = torch.Generator().manual_seed(1000 + rank)
-    if name == "mlp":
+    if name in ("mlp", "bn"):
         return torch.randn(32, 1024, generator=g), torch.randn(32, 1024, generator=g)
     if name == "small":
         return torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
     if name == "gpt":
         tokens = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
-    raise ValueError(f"make_batch(): unknown model {name!r}; expected one of {MODEL_NAMES}")
+    raise ValueError(f"make_batch(): unknown model {name!r}; expected one of {MODEL_NAMES + EXTRA_MODEL_NAMES}")
 
 
 def loss_of(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -193,7 +193,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = self._build_reducer(None)
+            self.reducer = self.build_reducer(None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -364,11 +364,16 @@ class ReplicateState:
                 # released: a last note; at interpreter exit the watch's own hook says "exited" instead
                 weakref.finalize(self, watch.leave, "released its replica").atexit = False
         if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
-            self.reducer = self._build_reducer(learned)
+            self.reducer = self.build_reducer(learned)
         self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
         self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe)
 
-    def _build_reducer(self, learned: Optional[Learned]) -> Reducer:
+    def build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
+        """A reducer for the current plan and options (setup.py's ``build_reducer``), not installed.
+
+        Args:
+            learned: what a previous reducer learned, or None. Default None.
+        """
         return setup.build_reducer(
             self.module,
             self.plan,
