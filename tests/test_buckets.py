@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from torchreplicate.reducer.bucket_plan import MiB, plan_buckets
+from torchreplicate.config import MiB
+from torchreplicate.reducer.bucket_plan import plan_buckets
 
 F32, F16 = torch.float32, torch.float16
 CPU = torch.device("cpu")

@@ -104,7 +104,7 @@ class ReplicateState:
         self.reducer: Optional[Reducer] = None  # None when there is nothing to reduce
         # the watchdog, an observer of the steps and profiler labels, shared with every reducer (probe.py)
         self.probe = Probe()
-        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by _pre_forward)
+        self.num_forwards = 0  # forwards of the root with gradients enabled (counted by _sync_before_forward)
         self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
         # the hook torch's Join took from model.join_hook() (it holds the
         # divisor rule), until every rank joined; None outside a Join ([Note: join])

@@ -243,7 +243,9 @@ class Bucket:
         if from_hook:
             self._detach()
         scale = self.scale
-        if scale is not None:  # the slots filled in place are scaled now ([Note: the mean ...])
+        if (
+            scale is not None
+        ):  # the slots filled in place are scaled now ([Note: the mean is taken on the way in] in reduction.py)
             done = sum([slot.absorbed for slot in self.slots])
             if done == 0:
                 self.grads.mul_(scale)

@@ -10,7 +10,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-MiB = 1024 * 1024
+from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
+
 MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB  # no bucket larger (tuned caps, the schedule)
 
@@ -38,7 +39,7 @@ def plan_buckets(
     devices: Sequence[torch.device],
     *,
     order: Sequence[int] | None = None,
-    cap_bytes: int = 25 * MiB,
+    cap_bytes: int = DDP_DEFAULT_CAP_MB * MiB,
     first_cap_bytes: int = 1 * MiB,
     groups: Sequence[int] | None = None,
 ) -> list[BucketSpec]:

@@ -228,7 +228,7 @@ class ReducerInfo(NamedTuple):
 
     @classmethod
     def of(cls, buckets: Sequence[Bucket], waiter: Optional[StallWatch]) -> ReducerInfo:
-        """The view of ``buckets`` (a reducer's, in launch order)."""
+        """What observers read of ``buckets`` (a reducer's, in launch order)."""
         infos = tuple(
             BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
             for b in buckets

@@ -356,7 +356,7 @@ class Reducer:
                 inputs = self._round_inputs(sums, late_grads)
                 for round_ in rounds:
                     round_.reduce(inputs)
-            self._learn(end_ns)
+            self._learn(self.first_ready, self.first_ready_ns, end_ns)
             self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
             if self.in_backward_optimizer_slots:
                 step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
@@ -421,8 +421,7 @@ class Reducer:
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(inputs)
-        self.num_steps += 1  # the ranks still training count this step: the layout learning follows it
-        self.learn_layout(())
+        self._learn()  # the ranks still training count this step: the layout learning follows it
         self._new_step()
 
     def _new_step(self) -> None:
@@ -433,20 +432,17 @@ class Reducer:
         for bucket in self.buckets:
             bucket.reset()
 
-    def _learn(self, end_ns: int) -> None:
-        # After a synchronised step: the firing counts ([Note: when is a
-        # parameter ready], a running maximum), the step number, the layout.
+    def _learn(self, first_ready: Sequence[int] = (), ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
+        # After a synchronised step (or its shadow, on a rank that joined), on
+        # every rank: the firing counts ([Note: when is a parameter ready], a
+        # running maximum), the step number, then the layout ([Note: tuning]):
+        # the first step learns launch order, cap and schedule from first_ready
+        # (slot indices) and ready_ns (time.perf_counter_ns() of each, until
+        # end_ns); every RETUNE_EVERY-th measures the link again; the buckets follow.
         if self.grew:
             for slot in self.slots:
                 slot.expected = max(slot.expected, slot.fired)  # never a sparse slot's: its hook counts nothing
         self.num_steps += 1
-        self.learn_layout(self.first_ready, self.first_ready_ns, end_ns)
-
-    def learn_layout(self, first_ready: Sequence[int], ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
-        """After a synchronised step (or its shadow, on a rank that joined), on every rank: the first
-        learns launch order, cap and schedule from ``first_ready`` (slot indices) and ``ready_ns``
-        (``time.perf_counter_ns()`` of each, until ``end_ns``); every ``RETUNE_EVERY``-th measures
-        the link again; the buckets follow ([Note: tuning])."""
         policy, like = self.layout_policy, self.buckets[-1].buffer
         if not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.tied_rows.round_ns)

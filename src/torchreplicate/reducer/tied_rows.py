@@ -115,7 +115,8 @@ class TiedRows:
                 mean = param.new_zeros((picked.numel(), *_row_shape(param)))
             else:
                 mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
-            all_reduce(mean, group, waiter)  # scaled on the way in, as the buckets ([Note: the mean ...])
+            # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
+            all_reduce(mean, group, waiter)
             if param.grad is None:  # used only through the detached use, on every rank
                 param.grad = torch.zeros_like(param)
             _add_rows(param.grad, picked, mean)

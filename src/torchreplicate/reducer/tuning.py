@@ -77,7 +77,6 @@ from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, pla
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.schedule import schedule, scheduled_layout
 
-DEFAULT_CAP = DDP_DEFAULT_CAP_MB * MiB  # until the first step measured the link
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed (at most): latency, then bandwidth
 CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, not its best
@@ -185,7 +184,7 @@ class LayoutPolicy:
     Args:
         dense: the slots laid out in buckets (sparse ones are not), in registration order.
         groups: per slot index (all slots), its nested-replicate group (bucket_plan.py), or None.
-        cap_bytes: the bucket cap; None: ``DEFAULT_CAP`` until the first step measured the link.
+        cap_bytes: the bucket cap; None: DDP's (``config.DDP_DEFAULT_CAP_MB``) until the first step measured the link.
         first_cap_bytes: the first bucket's cap.
         fixed: keep reverse registration order and the caps given, learn nothing
             (``replicate(bucket_layout="fixed")``: [Note: fixed layout]).
@@ -207,7 +206,7 @@ class LayoutPolicy:
         # - Learned in the first synchronised step ([Note: tuning]); a fixed
         #   layout starts out learned, so it never learns or rebuilds
         self.learned = fixed  # the launch order (and cap) are learned in the first synchronised step
-        self.cap_bytes = DEFAULT_CAP if cap_bytes is None else cap_bytes
+        self.cap_bytes = DDP_DEFAULT_CAP_MB * MiB if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
         self.cap_changes_layout = True  # False once learned that no cap in [MIN_CAP, MAX_CAP] does: never measured
