@@ -1,7 +1,8 @@
-"""See inside a step: the timeline (trace()), the straggler summary (log_summary()).
+"""See inside a step: the merged profile (trace()), the straggler summary (log_summary()).
 
-Pure tests feed the step recorder by hand; the multi-process ones trace real
-gloo ranks with tiny buckets (a known bucket plan) and read the file back.
+Pure tests feed the step recorder and the merge by hand; the multi-process
+ones trace real gloo ranks with tiny buckets (a known bucket plan), read the
+file back, and check it against the library's own step recorder.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from models import TINY_DIM_BUCKETS as TINY
 from parity import seeded
 from test_dynamic_graphs import Reused, reused_growing
 from torchreplicate import replicate
+from torchreplicate.observe import timeline
 from torchreplicate.observe.summary import summarize
 from torchreplicate.observe.timeline import StepRecorder
-from torchreplicate.observe.trace_format import BucketInfo, ForwardSpan, RankTrace, chrome_trace, rank_events
+from torchreplicate.observe.trace_format import chrome_trace, exposed_ms, rank_events
 
 
 def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 2))
 
 
-# -- pure: the recorder and the event format ----------------------------------------
+# -- pure: the recorder and the merge -----------------------------------------------
 
 
 def test_recorder_builds_one_record_per_step():
@@ -66,18 +68,53 @@ def test_recorder_builds_one_record_per_step():
     recorder.step_end(4, 0)
     assert records[1].replan_ns is None and records[1].buckets == ()
 
-    layout = [(3, (BucketInfo(0, ("a.weight",), 4, 16), BucketInfo(1, ("b.weight", "b.bias"), 6, 24)))]
-    events = rank_events(1, record.backward_ns - 1000, records, layout, [ForwardSpan(0, 10, True)])
-    trace = chrome_trace([RankTrace(1, events, [], 0)])
-    json.dumps(trace)  # serialisable
-    names = [e["name"] for e in events if e["ph"] != "M"]
-    for name in ("backward", "end of backward", "wait bucket 0", "late round", "re-plan", "bucket 1 reduce"):
-        assert name in names, (name, names)
-    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert rows == {"step", "bucket 0: a.weight", "bucket 1: b.weight, b.bias"}, rows
-    reduce_1 = next(e for e in events if e["name"] == "bucket 1 reduce")
-    assert reduce_1["args"]["launched_from"] == "end of backward" and reduce_1["args"]["bytes"] == 24
+
+def _profile(*spans: tuple[str, float, float], tid: int = 7) -> dict:
+    # What export_chrome_trace writes, reduced to what trace() reads: torch's
+    # process metadata, a flow, complete events (name, ts, dur) on one thread.
+    events = [
+        {"name": "process_name", "ph": "M", "pid": 4242, "tid": 0, "args": {"name": "python"}},
+        {"name": "thread_name", "ph": "M", "pid": 4242, "tid": tid, "args": {"name": "thread 7 (python)"}},
+        {"name": "fwdbwd", "ph": "s", "cat": "fwdbwd", "id": 5, "pid": 4242, "tid": tid, "ts": 1000.0},
+    ]
+    for name, ts, dur in spans:
+        span = {"name": name, "ph": "X", "cat": "user_annotation", "pid": 4242, "tid": tid, "ts": ts, "dur": dur}
+        events.append(span)
+    return {"traceEvents": events, "schemaVersion": 1}
+
+
+def test_rank_events_merge_one_process_per_rank_with_steps():
+    p = "torchreplicate::"
+    steps = []
+    for step, t in enumerate((1100.0, 1200.0, 1300.0)):
+        steps += [
+            (p + "pre_forward", t, 1.0),
+            (p + "hook (bucket 0)", t + 10, 5.0),
+            (p + "launch (bucket 0)", t + 11, 2.0),  # from a hook
+            (p + "finalize", t + 20, 30.0),
+            (p + "launch (bucket 1)", t + 21, 2.0),  # from the end of backward
+            (p + "wait (bucket 0)", t + 24, 3.0 + step),
+            (p + "wait (bucket 1)", t + 28, 4.0),
+            (p + "late_round", t + 40, 5.0),
+            ("aten::mm", t + 12, 1.0),
+        ]
+    exported = _profile((p + "trace start", 1000.0, 2.0), *steps)
+    events = rank_events(1, 2, exported, max_steps=None)
+    json.dumps(chrome_trace([events]))  # serialisable
     assert all(e["pid"] == 1 for e in events)
+    names = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+    assert names == ["rank 1"], names  # torch's "python" is replaced
+    assert [e["ts"] for e in events if e["name"] == p + "trace start"] == [0.0], "the clock starts at the marker"
+    assert next(e for e in events if e["ph"] == "s")["id"] == 5 * 2 + 1, "flow ids unique across ranks"
+    labelled = [e for e in events if e["ph"] == "X" and e["name"].startswith(p) and e["name"] != p + "trace start"]
+    assert [e["args"]["step"] for e in labelled] == [0] * 8 + [1] * 8 + [2] * 8
+    assert "step" not in next(e for e in events if e["name"] == "aten::mm").get("args", {}), "torch's ops: no step"
+    assert exposed_ms(events) == {1: pytest.approx({0: 0.012, 1: 0.013, 2: 0.014})}, "waits and late rounds"
+
+    last_two = rank_events(0, 2, exported, max_steps=2)
+    assert exposed_ms(last_two) == {0: pytest.approx({1: 0.013, 2: 0.014})}, "the first step is dropped"
+    assert [e["args"]["name"] for e in last_two if e["name"] == "thread_name"] == ["thread 7 (python)"]
+    assert min(e["ts"] for e in last_two if e["ph"] == "X") > 150.0, "nothing of step 0 is kept"
 
 
 def test_summary_names_the_rank_with_the_most_busy_time():
@@ -98,17 +135,23 @@ def test_summary_names_the_rank_with_the_most_busy_time():
 # -- multi-process: a real trace -----------------------------------------------------
 
 
+P = "torchreplicate::"  # the reducer's profiler labels (reducer/probe.py)
+
+
 class TraceResult(NamedTuple):
     num_buckets: list[int]  # per step, from the reducer
+    from_hook: list[list[bool]]  # per step per bucket, from the library's own step recorder (timeline.py)
     trace: dict  # the file, read back by rank 0 ({} on the others)
     plot_magic: bytes  # first bytes of the PNG on rank 0
-    num_records: int  # steps this rank recorded
+    num_steps: int  # end-of-backward events in this rank's own events
 
 
 def traced(rank: int, world_size: int, folder: str, steps: int) -> TraceResult:
     model = replicate(seeded(_net, rank), **TINY)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     num_buckets = []
+    records: list = []  # an independent witness of each launch's origin
+    timeline.subscribe(model, records.append)
     path = os.path.join(folder, "trace.json")
     with torchreplicate.trace(path, model=model) as tracer:
         for step in range(steps):
@@ -119,64 +162,72 @@ def traced(rank: int, world_size: int, folder: str, steps: int) -> TraceResult:
             num_buckets.append(len(reducer.buckets))
             optimizer.step()
             optimizer.zero_grad()
-    assert len(tracer.records) == steps, f"rank {rank}: {len(tracer.records)} records"
+    timeline.unsubscribe(model, records.append)
+    from_hook = [[b.from_hook for b in record.buckets] for record in records]
+    num_steps = sum(e["name"] == P + "finalize" for e in tracer.events)
+    assert tracer.profiler is not None and tracer.profiler.key_averages(), "torch's own profile stays readable"
     if rank != 0:
         assert tracer.written == [], f"rank {rank} wrote {tracer.written}"
-        return TraceResult(num_buckets, {}, b"", len(tracer.records))
+        return TraceResult(num_buckets, from_hook, {}, b"", num_steps)
     assert tracer.written == [path, os.path.join(folder, "trace.png")], tracer.written
     with open(path) as file:
         content = json.load(file)
     with open(tracer.plot_path, "rb") as file:
         magic = file.read(8)
-    return TraceResult(num_buckets, content, magic, len(tracer.records))
+    return TraceResult(num_buckets, from_hook, content, magic, num_steps)
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3
 
 
 def test_trace_has_every_bucket_of_every_step(pools, tmp_path):
     steps = 4
     results = pools.run(2, traced, str(tmp_path), steps)
+    assert [r.num_steps for r in results] == [steps, steps], "every rank profiled every step"
     num_buckets = results[0].num_buckets
     assert num_buckets[0] > 2 and num_buckets[2] < num_buckets[0], f"tiny buckets, then a re-plan: {num_buckets}"
     trace = results[0].trace
     assert results[0].plot_magic == b"\x89PNG\r\n\x1a\n"
     events = trace["traceEvents"]
     assert trace["otherData"]["num_ranks"] == 2
-    assert {e["ph"] for e in events} <= {"X", "i", "M"}
     assert {e["pid"] for e in events} == {0, 1}
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {0: "rank 0", 1: "rank 1"}, processes
+    assert sum(e["name"] == "process_name" for e in events) == 2, "one process per rank"
     for e in events:
         if e["ph"] == "X":
             assert e["dur"] >= 0 and isinstance(e["ts"], float), e
     for rank in (0, 1):
         mine = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
-        assert sum(e["name"] == "forward" for e in mine) == steps
-        replans = [e for e in events if e["pid"] == rank and e["name"] == "re-plan"]
-        assert [e["args"]["step"] for e in replans] == [2], replans
+        (start,) = [e for e in mine if e["name"] == P + "trace start"]
+        assert start["ts"] == 0.0, "each rank's clock starts at its marker after the barrier"
+        assert sum(e["name"] == P + "pre_forward" for e in mine) == steps
+        assert any(e["name"] == "gloo:all_reduce" for e in mine), "torch's own collectives show"
         for step in range(steps):
             at = [e for e in mine if e.get("args", {}).get("step") == step]
-            (backward,) = [e for e in at if e["name"] == "backward"]
-            (end,) = [e for e in at if e["name"] == "end of backward"]
-            assert backward["ts"] <= end["ts"] <= end["ts"] + end["dur"] <= backward["ts"] + backward["dur"] + 1e-3
+            (end,) = [e for e in at if e["name"] == P + "finalize"]
+            hooks = [e for e in at if e["name"].startswith(P + "hook")]
             for k in range(num_buckets[step]):
                 where = f"rank {rank} step {step} bucket {k}"
-                launches = [e for e in at if e["name"] == f"bucket {k} reduce"]
+                launches = [e for e in at if e["name"] == f"{P}launch (bucket {k})"]
                 assert len(launches) == 1, f"{where}: {len(launches)} launches"
-                (reduce,) = launches
-                launch, done = reduce["ts"], reduce["ts"] + reduce["dur"]
-                assert launch < done, where
-                assert reduce["tid"] == 1 + k, where
-                (grads,) = [e for e in at if e["name"] == f"bucket {k} gradients"]
-                assert grads["ts"] <= launch, f"{where}: first gradient after launch"
-                assert reduce["args"]["first_grad_us"] == grads["ts"]
-                assert reduce["args"]["ready_us"] <= launch, where
-                (wait,) = [e for e in at if e["name"] == f"wait bucket {k}"]
-                assert end["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] == pytest.approx(done, abs=1e-3), where
-            others = [e for e in at if e["name"].startswith("bucket ") and e["tid"] > num_buckets[step]]
+                (launch,) = launches
+                mine_hooks = [e for e in hooks if e["name"] == f"{P}hook (bucket {k})"]
+                assert mine_hooks and min(e["ts"] for e in mine_hooks) <= launch["ts"], f"{where}: no gradient first"
+                in_hook = any(_inside(launch, hook) for hook in hooks)
+                assert in_hook == results[rank].from_hook[step][k], f"{where}: launched from a hook {in_hook}"
+                assert in_hook or _inside(launch, end), f"{where}: launched outside the hooks and the end"
+                (wait,) = [e for e in at if e["name"] == f"{P}wait (bucket {k})"]
+                assert _inside(wait, end) and launch["ts"] + launch["dur"] <= wait["ts"] + 1e-3, where
+            others = [e for e in at if "(bucket " in e["name"] and int(e["name"][:-1].split()[-1]) >= num_buckets[step]]
             assert not others, f"rank {rank} step {step}: events of buckets that do not exist: {others}"
-        first_steps = [e for e in mine if e.get("args", {}).get("step") == 1 and e["name"].endswith("reduce")]
-        assert any(e["args"]["launched_from"] == "gradient hook" for e in first_steps), "no overlap after step 0"
+        assert any(results[rank].from_hook[1]), "no overlap after step 0"
 
 
 class LateResult(NamedTuple):
-    num_late_rounds: int
+    num_late_rounds: int  # from the library's own step recorder
+    num_late_events: int  # in this rank's profile
     files: list[str]
 
 
@@ -185,25 +236,30 @@ def traced_late_and_failing(rank: int, world_size: int, folder: str) -> LateResu
     # gradient comes after its bucket left, so a late round runs ([Note: one
     # collective sequence] in reducer.py). Then a block that raises on every rank.
     model = replicate(seeded(lambda: Reused(True), 3), **TINY)
+    records: list = []
+    timeline.subscribe(model, records.append)
     with torchreplicate.trace(os.path.join(folder, "late.json"), model=model, plot=False) as tracer:
         for step in range(3):
             reused_growing(model, rank, world_size, step).backward()
             model.zero_grad()
-    late = sum(len(r.late_rounds) for r in tracer.records)
+    timeline.unsubscribe(model, records.append)
+    late = sum(len(r.late_rounds) for r in records)
+    num_events = sum(e["name"] == P + "late_round" for e in tracer.events)
     failing = torchreplicate.trace(os.path.join(folder, "failed.json"), model=model)
     with pytest.raises(ZeroDivisionError):
         with failing:
             reused_growing(model, rank, world_size, 3).backward()
             raise ZeroDivisionError("every rank")
-    return LateResult(late, failing.written)
+    return LateResult(late, num_events, failing.written)
 
 
 def test_trace_late_rounds_and_a_failing_block(pools, tmp_path):
     results = pools.run(2, traced_late_and_failing, str(tmp_path))
     assert all(r.num_late_rounds >= 1 for r in results), results
+    assert all(r.num_late_events == r.num_late_rounds for r in results), results
     with open(tmp_path / "late.json") as file:
         names = [e["name"] for e in json.load(file)["traceEvents"]]
-    assert names.count("late round") == sum(r.num_late_rounds for r in results)
+    assert names.count(P + "late_round") == sum(r.num_late_rounds for r in results)
     for rank, result in enumerate(results):  # no collective after the error: each rank its own file
         assert result.files == [str(tmp_path / f"failed.rank{rank}.json")], result.files
         with open(result.files[0]) as file:
@@ -260,27 +316,29 @@ def test_summary_names_the_slow_rank(pools):
 
 
 class SingleResult(NamedTuple):
-    num_records: int
-    names: list[str]
+    pids: set[int]
+    names: set[str]
 
 
 def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
     model = replicate(seeded(_net, 0))
     assert replicate.state(model).reducer is None, "world size 1 runs no reducer"
     path = os.path.join(folder, "alone.json")
-    with torchreplicate.trace(path, model=model) as tracer, torchreplicate.log_summary(model, every=1):
+    with torchreplicate.trace(path, model=model), torchreplicate.log_summary(model, every=1):
         for step in range(2):
             model(data(rank, step)).sum().backward()
     assert torchreplicate.verify_replicas(model, grads=True).ok
     with open(path) as file:
-        names = [e["name"] for e in json.load(file)["traceEvents"] if e["ph"] != "M"]
+        events = [e for e in json.load(file)["traceEvents"] if e["ph"] != "M"]
     assert os.path.exists(os.path.join(folder, "alone.png"))
-    return SingleResult(len(tracer.records), names)
+    return SingleResult({e["pid"] for e in events}, {e["name"] for e in events})
 
 
-def test_world_size_one_traces_forwards_only(pools, tmp_path):
+def test_world_size_one_traces_torch_ops_only(pools, tmp_path):
     (result,) = pools.run(1, traced_alone, str(tmp_path))
-    assert result == SingleResult(0, ["forward", "forward"]), result
+    assert result.pids == {0}, result.pids
+    assert "aten::addmm" in result.names, "the forwards' ops"
+    assert P + "finalize" not in result.names, "no reducer, no end of backward"
 
 
 def test_the_example_traces_summarises_and_checks(tmp_path):
@@ -295,8 +353,8 @@ def test_the_example_traces_summarises_and_checks(tmp_path):
     assert f"{path} and {path.with_suffix('.png')}" in done.stderr, done.stderr
     with open(path) as file:
         events = json.load(file)["traceEvents"]
-    assert sum(e["name"] == "backward" for e in events) == 2 * 20
-    assert {e["name"] for e in events} >= {"bucket 0 reduce", "bucket 1 reduce"}
+    assert sum(e["name"] == P + "finalize" for e in events) == 2 * 20
+    assert {e["name"] for e in events} >= {P + "launch (bucket 0)", P + "launch (bucket 1)"}
 
 
 @pytest.mark.parametrize(

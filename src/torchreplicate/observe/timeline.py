@@ -1,12 +1,13 @@
-"""The timeline of every synchronised backward, as plain records: what ``trace()`` and ``log_summary()`` read.
+"""The timeline of every synchronised backward, as plain records: what ``log_summary()`` reads.
 
 ``StepRecorder`` is a ``StepEvents`` observer (reducer/probe.py): the
 module's probe calls it at the points of a step, it notes a
 ``time.perf_counter_ns()`` at each, and at the end of the step hands one
-``StepRecord`` to its subscribers (the tracer of tracing.py, the summary of
-summary.py). One recorder per replicated module
-(``replicate.state(model).events``), so a trace and a summary on the same
-model share it; it is detached when its last subscriber leaves, so a model
+``StepRecord`` to its subscribers (the summary of summary.py, and the
+benchmarks' timelines: a picture of the steps needs no recorder, ``trace()``
+reads the same points from ``torch.profiler``). One recorder per replicated
+module (``replicate.state(model).events``), so several subscribers on the
+same model share it; it is detached when its last subscriber leaves, so a model
 nobody observes pays one attribute check per point ([Note: observer cost] in
 probe.py). ``grad``, called once per accumulation into a ``.grad``, reads
 the clock only for the first gradient of each bucket. Ready is not an event

@@ -1,214 +1,128 @@
-"""The trace file of ``trace()``: Chrome trace events from step records, and its plot (pure functions).
+"""The trace file of ``trace()``: every rank's ``torch.profiler`` events merged into one Chrome trace, and its plot.
 
-The format is Chrome's Trace Event Format (JSON object form), which
-https://ui.perfetto.dev and ``chrome://tracing`` open: ``"traceEvents"``
-holds complete events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds),
-instants (``"i"``) and metadata (``"M"``: the names of rows). One process per
-rank (``pid`` = group rank, named "rank r") with these rows (``tid``):
+Pure functions over Chrome trace events, the JSON that
+``torch.profiler.profile.export_chrome_trace`` writes (Chrome's Trace Event
+Format, object form, which https://ui.perfetto.dev and ``chrome://tracing``
+open): complete events (``"ph": "X"``, ``ts`` and ``dur`` in microseconds),
+instants (``"i"``), flows (``"s"``/``"f"``, forward op to its backward) and
+metadata (``"M"``: the names of processes and threads).
 
-- 0, "step": ``forward`` spans; ``backward`` (first hook to end of step,
-  args: step, wire bytes, exposed ms), inside it ``end of backward``
-  (finalize to end), inside that ``wait bucket k`` and ``late round`` (the
-  exposed communication); ``re-plan`` instants.
-- 1 + k, "bucket k: <first parameters>": ``bucket k gradients`` (first
-  gradient to ready) and ``bucket k reduce`` (launch to done; args: step,
-  launched from a hook or from the end of backward, bytes, parameters).
+What torch's per-process export lacks, and this file adds:
 
-Times are microseconds since the rank's own t0, taken right after a barrier
-at trace start ([Note: trace clocks] in tracing.py).
+- one process per rank: every event of rank r gets ``pid`` r, the process is
+  named "rank r" and sorted by rank (torch names it after the OS process);
+  flow ids are made unique across ranks, so an arrow never joins two ranks;
+- one clock origin: ``ts`` counts from the rank's ``torchreplicate::trace
+  start`` event, recorded right after a barrier ([Note: trace clocks] in
+  tracing.py);
+- step numbers: every ``torchreplicate::`` event (the labels of
+  reducer/probe.py) gets ``args["step"]``, the synchronised step it belongs
+  to, counted from the trace's start: step i ends with the i-th
+  ``torchreplicate::finalize`` (the end of backward);
+- the exposed communication per step (the end of backward's waits and late
+  rounds), and a PNG of it.
 """
 
 from __future__ import annotations
 
+import bisect
+import re
 import statistics
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from torchreplicate.observe.timeline import BucketTimes, StepRecord
-from torchreplicate.reducer.probe import BucketInfo
+from torchreplicate.reducer.probe import PREFIX
 
-STEP_ROW = 0  # tid of a rank's step row; bucket k is row 1 + k
+Event = dict[str, Any]
 
-
-class ForwardSpan(NamedTuple):
-    """One forward of the traced module (``perf_counter_ns``), with or without gradients."""
-
-    start_ns: int
-    end_ns: int
-    grad_enabled: bool
+START = PREFIX + "trace start"  # recorded by tracing.py right after the entry barrier: each rank's origin
+FINALIZE = PREFIX + "finalize"  # the end of backward: one per synchronised step
+_LABEL = re.compile(re.escape(PREFIX) + r"(\w+)(?: \(bucket (\d+)\))?$")  # the inverse of probe.label()
+_EXPOSED = ("wait", "late_round")  # the phases the end of backward spends waiting on collectives
+_TORCH_PROCESS_METADATA = ("process_name", "process_labels", "process_sort_index")  # replaced by "rank r"
 
 
-class RankTrace(NamedTuple):
-    """What one rank sends to rank 0 at the end of a trace (picklable, plain data).
-
-    Attributes:
-        rank: the group rank (the ``pid`` of its events).
-        events: its Chrome trace events.
-        exposed_ms: (step, exposed communication in ms) for every recorded step.
-        num_dropped: synchronised steps not kept (over ``max_steps``).
-    """
-
-    rank: int
-    events: list[dict[str, Any]]
-    exposed_ms: list[tuple[int, float]]
-    num_dropped: int
-
-
-def rank_events(
-    rank: int,
-    t0_ns: int,
-    records: Sequence[StepRecord],
-    layouts: Sequence[tuple[int, Sequence[BucketInfo]]],
-    forwards: Sequence[ForwardSpan] = (),
-) -> list[dict[str, Any]]:
-    """The Chrome trace events of one rank.
+def rank_events(rank: int, world_size: int, exported: dict[str, Any], max_steps: Optional[int]) -> list[Event]:
+    """One rank's profile as it goes into the merged file.
 
     Args:
-        rank: its group rank (``pid``).
-        t0_ns: its clock's origin (``perf_counter_ns`` after the start barrier).
-        records: its step records, in step order.
-        layouts: (first step, buckets) of each bucket layout the steps ran
-            with, in step order.
-        forwards: its forward spans.
+        rank: its group rank (the ``pid`` of its events).
+        world_size: the group's size (flow ids are made unique across ranks with it).
+        exported: what ``export_chrome_trace`` wrote on that rank (the JSON
+            object, with ``"traceEvents"`` holding the ``START`` event).
+        max_steps: keep the last this many synchronised steps (and what
+            follows them); None: all.
+
+    Returns:
+        Its events, ``pid`` = rank, ``ts`` in microseconds since its
+        ``START``, each ``torchreplicate::`` event numbered with its step;
+        metadata first, naming the process "rank r".
     """
-    spans = _Spans(rank, t0_ns)
-    events = _row_names(rank, records, layouts)
-    for forward in forwards:
-        name = "forward" if forward.grad_enabled else "forward (no grad)"
-        events.append(spans.span(name, "forward", STEP_ROW, forward.start_ns, forward.end_ns))
-    for record in records:
-        events += _step_events(spans, record, _layout_of(record.step, layouts))
-    return events
-
-
-class _Spans:
-    # Complete ("X") events of one rank, in microseconds from its t0.
-    def __init__(self, rank: int, t0_ns: int) -> None:
-        self.rank = rank
-        self.t0_ns = t0_ns
-
-    def us(self, ns: int) -> float:
-        return (ns - self.t0_ns) / 1000.0
-
-    def span(self, name: str, cat: str, tid: int, start_ns: int, end_ns: int, **args: Any) -> dict[str, Any]:
-        return {
-            "name": name,
-            "cat": cat,
-            "ph": "X",
-            "pid": self.rank,
-            "tid": tid,
-            "ts": self.us(start_ns),
-            "dur": max(0, end_ns - start_ns) / 1000.0,
-            "args": args,
-        }
-
-
-def _row_names(
-    rank: int, records: Sequence[StepRecord], layouts: Sequence[tuple[int, Sequence[BucketInfo]]]
-) -> list[dict[str, Any]]:
-    # The process row and one row per bucket, named after the newest layout.
-    num_buckets = max((len(buckets) for _, buckets in layouts), default=0)
-    num_buckets = max([num_buckets] + [len(r.buckets) for r in records])
-    latest = {b.index: b for _, buckets in layouts for b in buckets}
-    events: list[dict[str, Any]] = [
-        _meta(rank, None, "process_name", {"name": f"rank {rank}"}),
-        _meta(rank, None, "process_sort_index", {"sort_index": rank}),
-        _meta(rank, STEP_ROW, "thread_name", {"name": "step"}),
-        _meta(rank, STEP_ROW, "thread_sort_index", {"sort_index": STEP_ROW}),
+    torch_events = exported["traceEvents"]
+    origin = next(e["ts"] for e in torch_events if e.get("name") == START)
+    events: list[Event] = []
+    for event in torch_events:
+        if event.get("ph") == "M" and event.get("name") in _TORCH_PROCESS_METADATA:
+            continue
+        event = {**event, "pid": rank}
+        if "ts" in event:
+            event["ts"] = float(event["ts"]) - origin
+        if isinstance(event.get("id"), int):  # flows: unique per rank in torch's export, so across the merge too
+            event["id"] = event["id"] * world_size + rank
+        events.append(event)
+    step_ends = sorted(e["ts"] + e["dur"] for e in events if e.get("name") == FINALIZE and e.get("ph") == "X")
+    for event in events:
+        if event.get("ph") == "X" and event["name"].startswith(PREFIX) and event["name"] != START:
+            step = bisect.bisect_left(step_ends, event["ts"])  # the first step not over when it started
+            if step < len(step_ends):
+                event["args"] = {**event.get("args", {}), "step": step}
+    if max_steps is not None and len(step_ends) > max_steps:
+        cut = step_ends[-max_steps - 1]  # the end of the last step dropped
+        events = [e for e in events if e.get("ph") == "M" or e.get("ts", cut) > cut]
+    process = [
+        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
     ]
-    for k in range(num_buckets):
-        info = latest.get(k)
-        title = f"bucket {k}" + (f": {info.describe()}" if info is not None and info.names else "")
-        events.append(_meta(rank, 1 + k, "thread_name", {"name": title}))
-        events.append(_meta(rank, 1 + k, "thread_sort_index", {"sort_index": 1 + k}))
-    return events
+    return process + events
 
 
-def _step_events(spans: _Spans, record: StepRecord, layout: dict[int, BucketInfo]) -> list[dict[str, Any]]:
-    # One synchronised step: its rows on the step line, then each bucket's.
-    events = _step_row_events(spans, record)
-    for bucket in record.buckets:
-        events += _bucket_row_events(spans, record.step, bucket, layout.get(bucket.index))
-    return events
-
-
-def _step_row_events(spans: _Spans, record: StepRecord) -> list[dict[str, Any]]:
-    # The step line: re-plan, backward; inside it the end of backward; inside that the waits and late rounds.
-    step = record.step
-    events: list[dict[str, Any]] = []
-    if record.replan_ns is not None:
-        replan = {"name": "re-plan", "cat": "step", "ph": "i", "s": "p", "pid": spans.rank, "tid": STEP_ROW}
-        events.append({**replan, "ts": spans.us(record.replan_ns), "args": {"step": step}})
-    exposed_ms = round(record.exposed_ns / 1e6, 6)
-    events.append(
-        spans.span(
-            "backward",
-            "step",
-            STEP_ROW,
-            record.backward_ns,
-            record.end_ns,
-            step=step,
-            wire_bytes=record.wire_bytes,
-            exposed_ms=exposed_ms,
-        )
-    )
-    events.append(spans.span("end of backward", "step", STEP_ROW, record.finalize_ns, record.end_ns, step=step))
-    for bucket in record.buckets:
-        events.append(
-            spans.span(f"wait bucket {bucket.index}", "exposed", STEP_ROW, bucket.wait_ns, bucket.done_ns, step=step)
-        )
-    for start_ns, end_ns in record.late_rounds:
-        events.append(spans.span("late round", "exposed", STEP_ROW, start_ns, end_ns, step=step))
-    return events
-
-
-def _bucket_row_events(
-    spans: _Spans, step: int, bucket: BucketTimes, info: Optional[BucketInfo]
-) -> list[dict[str, Any]]:
-    # Bucket k's line in one step: its gradients arriving (when seen), then its reduce.
-    tid = 1 + bucket.index
-    events: list[dict[str, Any]] = []
-    if bucket.first_grad_ns is not None and bucket.first_grad_ns <= bucket.ready_ns:
-        name = f"bucket {bucket.index} gradients"
-        events.append(spans.span(name, "grads", tid, bucket.first_grad_ns, bucket.ready_ns, step=step))
-    args: dict[str, Any] = {
-        "step": step,
-        "launched_from": "gradient hook" if bucket.from_hook else "end of backward",
-        "first_grad_us": None if bucket.first_grad_ns is None else spans.us(bucket.first_grad_ns),
-        "ready_us": spans.us(bucket.ready_ns),
-    }
-    if info is not None:
-        args.update(bytes=info.nbytes, numel=info.numel, params=list(info.names))
-    events.append(spans.span(f"bucket {bucket.index} reduce", "comm", tid, bucket.launch_ns, bucket.done_ns, **args))
-    return events
-
-
-def _meta(rank: int, tid: Optional[int], kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    event: dict[str, Any] = {"name": kind, "ph": "M", "pid": rank, "args": args}
-    if tid is not None:
-        event["tid"] = tid
-    return event
-
-
-def _layout_of(step: int, layouts: Sequence[tuple[int, Sequence[BucketInfo]]]) -> dict[int, BucketInfo]:
-    chosen: Sequence[BucketInfo] = ()
-    for first_step, buckets in layouts:
-        if first_step <= step:
-            chosen = buckets
-    return {b.index: b for b in chosen}
-
-
-def chrome_trace(ranks: Sequence[RankTrace], **other: Any) -> dict[str, Any]:
-    """The trace file's content: every rank's events, and ``other`` under ``"otherData"``."""
-    events = [event for rank in sorted(ranks, key=lambda r: r.rank) for event in rank.events]
+def chrome_trace(ranks: Sequence[Sequence[Event]], **other: Any) -> dict[str, Any]:
+    """The trace file's content: every rank's events (``rank_events``), and ``other`` under ``"otherData"``."""
+    events = [event for events in ranks for event in events]
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(other)}
 
 
-def plot_trace(ranks: Sequence[RankTrace], path: str, *, title: str = "") -> None:
+def exposed_ms(events: Sequence[Event]) -> dict[int, dict[int, float]]:
+    """Exposed communication per rank per step: milliseconds in the end of backward's waits and late rounds.
+
+    Args:
+        events: merged events (``rank_events`` of one or more ranks).
+
+    Returns:
+        {rank: {step: ms}}, with every step that has a ``torchreplicate::finalize``.
+    """
+    out: dict[int, dict[int, float]] = {}
+    for event in events:
+        if event.get("ph") != "X" or "step" not in event.get("args", {}):
+            continue
+        steps = out.setdefault(event["pid"], {})
+        step = event["args"]["step"]
+        label = _LABEL.match(event["name"])
+        exposed = event["dur"] / 1000.0 if label is not None and label.group(1) in _EXPOSED else 0.0
+        steps[step] = steps.get(step, 0.0) + exposed
+    return {rank: steps for rank, steps in out.items() if steps}
+
+
+def plot_trace(events: Sequence[Event], path: str, *, title: str = "") -> None:
     """Writes a PNG: exposed communication per step per rank, and the timeline of one step.
 
     The step shown is the one with the largest exposed communication on any
     rank among the steps every rank recorded (the most instructive one).
     Uses matplotlib's object API (no pyplot, no global backend change).
+
+    Args:
+        events: merged events (``rank_events`` of every rank).
+        path: the PNG to write.
+        title: the top panel's title (default: says what it shows).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -219,52 +133,74 @@ def plot_trace(ranks: Sequence[RankTrace], path: str, *, title: str = "") -> Non
     figure = Figure(figsize=(9, 5.4), dpi=80, layout="constrained")
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, height_ratios=[1, 1])
-    ordered = sorted(ranks, key=lambda r: r.rank)
-    for rank in ordered:
-        if rank.exposed_ms:
-            steps, values = zip(*rank.exposed_ms, strict=True)
-            top.plot(steps, values, marker=".", markersize=3, linewidth=1, label=f"rank {rank.rank}")
+    exposed = exposed_ms(events)
+    for rank in sorted(exposed):
+        steps = sorted(exposed[rank])
+        values = [exposed[rank][s] for s in steps]
+        top.plot(steps, values, marker=".", markersize=3, linewidth=1, label=f"rank {rank}")
     top.set_xlabel("synchronised step")
     top.set_ylabel("exposed comm, ms")
     top.set_title(title or "Exposed communication per step (time in the end of backward's waits)", fontsize=10)
-    if any(rank.exposed_ms for rank in ordered):
+    if exposed:
         top.legend(fontsize=8, loc="upper right")
         top.set_ylim(bottom=0)
     else:
         top.text(0.5, 0.5, "no synchronised step recorded (world size 1?)", ha="center", transform=top.transAxes)
-    _plot_one_step(bottom, ordered)
+    _plot_one_step(bottom, events, exposed)
     figure.savefig(path)
 
 
-def _plot_one_step(axes: Any, ranks: Sequence[RankTrace]) -> None:
-    common = set.intersection(*(set(s for s, _ in r.exposed_ms) for r in ranks)) if ranks else set()
+def _plot_one_step(axes: Any, events: Sequence[Event], exposed: dict[int, dict[int, float]]) -> None:
+    # One row per rank: gray its backward (first gradient hook to the end of
+    # backward), then three lanes: green the gradient hooks, blue the
+    # collectives running (gloo's thread, or NCCL kernels), red the waits.
+    ranks = sorted(exposed)
+    common = set.intersection(*(set(exposed[r]) for r in ranks)) if ranks else set()
     if not common:
         axes.set_axis_off()
         return
-    exposed = {s: max(dict(r.exposed_ms)[s] for r in ranks) for s in common}
-    step = max(sorted(common), key=lambda s: exposed[s])
-    chosen = [[e for e in r.events if e.get("ph") == "X" and e["args"].get("step") == step] for r in ranks]
-    origin = min(e["ts"] for events in chosen for e in events if e["name"] == "backward")
-    colors = {"comm": "tab:blue", "grads": "tab:green", "exposed": "tab:red"}
-    for row, events in enumerate(chosen):
-        buckets = sorted({e["tid"] for e in events if e["tid"] != STEP_ROW})
+    worst = {s: max(exposed[r][s] for r in ranks) for s in common}
+    step = max(sorted(common), key=lambda s: worst[s])
+    windows = {r: _backward_window(events, r, step) for r in ranks}
+    origin = min(start for start, _ in windows.values())
+    lanes = {"hook": (0.3, "tab:green"), "comm": (0.02, "tab:blue"), "wait": (-0.26, "tab:red")}
+    for row, rank in enumerate(ranks):
+        start, end = windows[rank]
+        axes.broken_barh([((start - origin) / 1000.0, (end - start) / 1000.0)], (row - 0.4, 0.8), color="0.88")
         for event in events:
-            start, width = (event["ts"] - origin) / 1000.0, event["dur"] / 1000.0
-            if event["name"] == "backward":
-                axes.broken_barh([(start, width)], (row - 0.4, 0.8), color="0.88")
-            elif event["cat"] == "exposed":
-                axes.broken_barh([(start, width)], (row - 0.4, 0.16), color=colors["exposed"])
-            elif event["cat"] in ("comm", "grads"):
-                lane = buckets.index(event["tid"])
-                height = 0.56 / max(1, len(buckets))
-                y = row - 0.22 + lane * height
-                axes.broken_barh([(start, width)], (y, height * 0.9), color=colors[event["cat"]], alpha=0.85)
-    axes.set_yticks(range(len(ranks)), [f"rank {r.rank}" for r in ranks])
+            if event.get("pid") != rank or event.get("ph") != "X" or not start <= event["ts"] <= end:
+                continue
+            lane = _lane(event)
+            if lane is not None:
+                offset, color = lanes[lane]
+                span = ((event["ts"] - origin) / 1000.0, event["dur"] / 1000.0)
+                axes.broken_barh([span], (row - offset - 0.1, 0.2), color=color, alpha=0.85)
+    axes.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     axes.invert_yaxis()
     axes.set_xlabel(f"ms since the backward of step {step} started (earliest rank)")
-    median = statistics.median(exposed[s] for s in common)
+    median = statistics.median(worst[s] for s in common)
     axes.set_title(
         f"Step {step} (largest exposed comm; median over steps {median:.2f} ms): "
-        "gray backward, green gradients arriving, blue bucket reduce, red waits",
+        "gray backward, green gradient hooks, blue collectives, red waits",
         fontsize=9,
     )
+
+
+def _backward_window(events: Sequence[Event], rank: int, step: int) -> tuple[float, float]:
+    # From the step's first gradient hook (or its end of backward, with none) to the end of backward's end.
+    mine = [e for e in events if e.get("pid") == rank and e.get("args", {}).get("step") == step]
+    (finalize,) = [e for e in mine if e["name"] == FINALIZE]
+    hooks = [e["ts"] for e in mine if _lane(e) == "hook"]
+    return min(hooks, default=finalize["ts"]), finalize["ts"] + finalize["dur"]
+
+
+def _lane(event: Event) -> Optional[str]:
+    # Which lane of the step plot an event goes to, if any.
+    name = event["name"]
+    if name.startswith("gloo:") or name.startswith("nccl"):  # gloo's own span, or an NCCL kernel on a stream
+        return "comm"
+    label = _LABEL.match(name)
+    if label is None:
+        return None
+    phase = label.group(1)
+    return "hook" if phase == "hook" else "wait" if phase in _EXPOSED else None

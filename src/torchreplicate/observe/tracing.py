@@ -1,28 +1,32 @@
-"""``trace()``: a per-bucket timeline of every rank's steps, written as one Chrome trace file and a plot.
+"""``trace()``: every rank's ``torch.profiler`` profile, merged into one Chrome trace file, and a plot.
 
-While the context is open each rank records its synchronised backwards
-(timeline.py) and its forwards; at exit the ranks' events are gathered to
-rank 0 (one ``all_gather_object``), which writes the trace (trace_format.py)
-and a PNG of the exposed communication per step per rank.
+While the context is open each rank runs a ``torch.profiler.profile`` (CPU,
+and CUDA where there is one): torch records its own ops and collectives, and
+the reducer's phases by the labels reducer/probe.py gives them
+(``torchreplicate::launch (bucket 3)``, ``torchreplicate::finalize``, ...).
+At exit each rank exports its profile; the ranks' events are gathered to rank
+0 (one ``all_gather_object``), which merges them into one file with one
+process per rank (trace_format.py) and writes a PNG of the exposed
+communication per step per rank.
 
 [Note: trace clocks]
-Each rank measures with its own ``time.perf_counter_ns()``, whose origin is
-arbitrary, so the ranks agree on an origin once: ``trace()`` runs a barrier
-on the model's process group at entry, and every rank takes its t0 right
-after it. Timestamps are relative to that t0. The ranks' origins then differ
-by how far apart they left the barrier (tens of microseconds on one host,
-about one network latency across hosts) plus the drift of their clocks over
-the trace (parts per million). Enough to see which rank is late by a
-millisecond, not to order microsecond events across ranks.
+Each rank's profiler has its own clock, whose origin differs from rank to
+rank, so the ranks agree on an origin once: ``trace()`` starts the profiler,
+runs a barrier on the model's process group, and right after it records a
+``torchreplicate::trace start`` event; the merged file counts every rank's
+time from that event. The ranks' origins then differ by how far apart they
+left the barrier (tens of microseconds on one host, about one network
+latency across hosts) plus the drift of their clocks over the trace (parts
+per million). Enough to see which rank is late by a millisecond, not to
+order microsecond events across ranks.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
-import time
+import tempfile
 import warnings
 from types import TracebackType
 from typing import Any, Optional, Union
@@ -30,18 +34,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
-from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.observe.trace_format import (
-    BucketInfo,
-    ForwardSpan,
-    RankTrace,
-    chrome_trace,
-    plot_trace,
-    rank_events,
-)
-from torchreplicate.reducer.probe import ReducerInfo
+from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
@@ -54,7 +50,7 @@ def trace(
     plot: Union[bool, str, os.PathLike[str]] = True,
     max_steps: Optional[int] = 1000,
 ) -> Tracer:
-    """Records a per-bucket timeline of every rank while the context is open.
+    """Profiles every rank with ``torch.profiler`` while the context is open, into one trace file.
 
     ::
 
@@ -63,17 +59,26 @@ def trace(
                 model(batch).sum().backward(); optimizer.step(); optimizer.zero_grad()
         # rank 0 wrote run.json (open it in https://ui.perfetto.dev) and run.png
 
-    For every synchronised backward and every bucket: when its first gradient
-    came, when it was ready and launched (from a gradient hook, overlapped
-    with backward, or from the end of backward), when it was done, and the
-    end of backward's waits (the exposed communication), late rounds and
-    re-plans; also every forward of ``model``. Enter and leave the context at
-    the same point on every rank: entry runs a barrier ([Note: trace
-    clocks]) and a clean exit one ``all_gather_object`` to rank 0, which
-    writes the files. If the block raises, no collective runs: each rank
-    writes its own events to ``<path stem>.rank<r>.json`` and the exception
-    propagates. At world size 1 there is no reducer: only forwards are
-    recorded.
+    Each rank runs a ``torch.profiler.profile`` (CPU activity, plus CUDA
+    where CUDA is available), so the file holds torch's own ops and
+    collectives and the reducer's labelled phases: for every bucket its
+    gradient hooks (``torchreplicate::hook (bucket k)``), its launch (inside
+    a hook: overlapped with backward; inside ``torchreplicate::finalize``:
+    from the end of backward), the end of backward's wait for it (the
+    exposed communication), late rounds, and the forward hooks. What torch's
+    own export lacks is added: one process per rank named "rank r", one
+    clock origin ([Note: trace clocks]) and each labelled event's
+    synchronised step in its ``args``. Enter and leave the context at the
+    same point on every rank: entry runs a barrier and a clean exit one
+    ``all_gather_object`` to rank 0, which writes the files. If the block
+    raises, no collective runs: each rank writes its own events to
+    ``<path stem>.rank<r>.json`` and the exception propagates. At world size
+    1 there is no reducer: the file holds torch's ops only.
+
+    Limits: one profiler at a time (torch refuses to start a second one on
+    the same thread, so trace() cannot run inside another
+    ``torch.profiler.profile``), and the profiler keeps every event in memory
+    until exit, whatever ``max_steps``.
 
     Args:
         path: the Chrome trace JSON file rank 0 writes.
@@ -82,12 +87,14 @@ def trace(
             of one step's timeline: True (default) next to ``path`` with the
             suffix ``.png``; a path; or False. Needs matplotlib (skipped,
             with a warning, without it).
-        max_steps: keep the last this many synchronised steps (and their
-            forwards) in memory. Default 1000; None: all.
+        max_steps: keep the last this many synchronised steps of each rank
+            in the file. Default 1000; None: all.
 
     Returns:
-        The ``Tracer``; after exit, ``tracer.records`` holds this rank's
-        ``StepRecord``s and ``tracer.written`` the files rank 0 wrote.
+        The ``Tracer``; after exit, ``tracer.profiler`` is this rank's
+        ``torch.profiler.profile`` (``tracer.profiler.key_averages()``),
+        ``tracer.events`` this rank's events as they went into the file, and
+        ``tracer.written`` the files this rank wrote.
 
     Raises:
         ValueError: ``model`` is not replicated, or ``max_steps`` < 1.
@@ -120,40 +127,23 @@ class Tracer:
         self.plot_path: Optional[str] = _plot_path(self.path, plot)
         self.max_steps = max_steps
         self._model: Optional[nn.Module] = model  # held while the context is open only
-        # - Recorded on this rank, while open
-        self.records: collections.deque[StepRecord] = collections.deque(maxlen=max_steps)
-        self._forwards: collections.deque[ForwardSpan] = collections.deque(
-            maxlen=None if max_steps is None else 16 * max_steps
-        )
-        self._layouts: list[tuple[int, tuple[BucketInfo, ...]]] = []  # (first step, buckets)
-        self._layout_source: Optional[ReducerInfo] = None  # the reducer's view the last layout came from
-        self._num_dropped = 0  # steps pushed out of `records`
-        self._dropped_until_ns = 0  # end of the newest dropped step: older forwards go too
-        self._forward_start_ns: list[int] = []  # a stack: forwards may nest (a module called inside itself)
-        self._t0_ns = 0
-        self._rank = 0
-        self._hooks: list[Any] = []
-        self._open = False
+        # - This rank's recording
+        self.profiler: Optional[profile] = None  # torch's profiler, from entry on
+        self.events: list[Event] = []  # after exit: this rank's events, as merged
         # - After exit
         self.written: list[str] = []  # files this rank wrote
 
-    # -- the context -----------------------------------------------------------
-
     def __enter__(self) -> Tracer:
         model = self._model
-        if model is None or self._open:
+        if model is None or self.profiler is not None:
             raise RuntimeError("trace(): a Tracer can be entered once")
-        state = get_state(model)
-        group = state.group
-        self._rank = dist.get_rank(group)
+        group = get_state(model).group
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
         dist.barrier(group=group)  # [Note: trace clocks]
-        self._t0_ns = time.perf_counter_ns()
-        subscribe(model, self._on_step)
-        self._hooks = [
-            model.register_forward_pre_hook(self._forward_started, prepend=True),
-            model.register_forward_hook(self._forward_ended),
-        ]
-        self._open = True
+        with record_function(START):
+            pass
         return self
 
     def __exit__(
@@ -162,73 +152,30 @@ class Tracer:
         exc: Optional[BaseException],
         traceback: Optional[TracebackType],
     ) -> None:
-        model = self._model
-        assert model is not None and self._open, "entered"
-        self._stop_recording(model)
+        model, profiler = self._model, self.profiler
+        assert model is not None and profiler is not None, "entered"
+        profiler.stop()
         group = get_state(model).group
         self._model = None
-        mine = self._rank_trace()
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.events = rank_events(rank, world_size, _exported(profiler), self.max_steps)
         if exc_type is not None:
             # Another rank may be elsewhere (or dead): no collective, this rank's file only.
-            self._write_own_file(mine)
+            self._write_own_file(rank)
             return None
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        if self._rank != 0:
-            return None
-        self._write_files(gathered)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, self.events, group=group)
+        if rank == 0:
+            self._write_files(gathered)
         return None
 
-    def _stop_recording(self, model: nn.Module) -> None:
-        self._open = False
-        unsubscribe(model, self._on_step)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-
-    # -- recording -------------------------------------------------------------
-
-    def _on_step(self, record: StepRecord) -> None:
-        # At the end of every synchronised backward (timeline.py): keep it, and
-        # the bucket layout it ran with when that changed (a re-plan).
-        model = self._model
-        reducer = None if model is None else get_state(model).reducer
-        if reducer is not None and reducer.info is not self._layout_source:  # a new reducer, or new buckets
-            self._layout_source = reducer.info
-            self._layouts.append((record.step, reducer.info.buckets))
-        if self.records.maxlen is not None and len(self.records) == self.records.maxlen:
-            self._num_dropped += 1
-            self._dropped_until_ns = self.records[0].end_ns
-        self.records.append(record)
-
-    @torch.compiler.disable  # eager under torch.compile, as replicate()'s own hooks
-    def _forward_started(self, module: nn.Module, args: Any) -> None:
-        self._forward_start_ns.append(time.perf_counter_ns())
-
-    @torch.compiler.disable
-    def _forward_ended(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._forward_start_ns:
-            start = self._forward_start_ns.pop()
-            self._forwards.append(ForwardSpan(start, time.perf_counter_ns(), torch.is_grad_enabled()))
-
-    # -- output ----------------------------------------------------------------
-
-    def _rank_trace(self) -> RankTrace:
-        forwards = [f for f in self._forwards if f.start_ns >= self._dropped_until_ns]
-        records = list(self.records)
-        return RankTrace(
-            rank=self._rank,
-            events=rank_events(self._rank, self._t0_ns, records, self._layouts, forwards),
-            exposed_ms=[(r.step, r.exposed_ns / 1e6) for r in records],
-            num_dropped=self._num_dropped,
-        )
-
-    def _write_files(self, ranks: list[RankTrace]) -> None:
+    def _write_files(self, ranks: list[list[Event]]) -> None:
         # Rank 0, after the gather: the trace of every rank, the plot, and a log line saying where.
-        self._write_json(self.path, chrome_trace(ranks, **self._other_data(len(ranks))))
+        content = chrome_trace(ranks, **self._other_data(len(ranks)))
+        self._write_json(self.path, content)
         if self.plot_path is not None:
             try:
-                plot_trace(ranks, self.plot_path)
+                plot_trace(content["traceEvents"], self.plot_path)
                 self.written.append(self.plot_path)
             except ImportError:  # stacklevel 3: the `with` statement, as if warned from __exit__
                 warnings.warn(
@@ -236,7 +183,7 @@ class Tracer:
                     'pip install "torchreplicate[plot]" (or plot=False)',
                     stacklevel=3,
                 )
-        num_steps = max((len(r.exposed_ms) for r in ranks), default=0)
+        num_steps = max((len(steps) for steps in exposed_ms(content["traceEvents"]).values()), default=0)
         logger.info(
             "torchreplicate: trace of %d synchronised step(s) on %d rank(s): %s (open the JSON in "
             "https://ui.perfetto.dev or chrome://tracing)",
@@ -245,20 +192,20 @@ class Tracer:
             " and ".join(self.written),
         )
 
-    def _write_own_file(self, mine: RankTrace) -> None:
+    def _write_own_file(self, rank: int) -> None:
         # This rank's events only, to <path stem>.rank<r>.json, when the block raised.
         stem, suffix = os.path.splitext(self.path)
-        own = f"{stem}.rank{self._rank}{suffix or '.json'}"
+        own = f"{stem}.rank{rank}{suffix or '.json'}"
         try:
-            self._write_json(own, chrome_trace([mine], **self._other_data(1)))
+            self._write_json(own, chrome_trace([self.events], **self._other_data(1)))
         except OSError as error:  # never hide the block's own exception; stacklevel 3: the `with` statement
             warnings.warn(f"trace(): could not write {own}: {error}", stacklevel=3)
 
     def _other_data(self, num_ranks: int) -> dict[str, Any]:
         return {
-            "producer": f"torchreplicate {__version__} trace()",
+            "producer": f"torchreplicate {__version__} trace(), on torch.profiler (torch {torch.__version__})",
             "num_ranks": num_ranks,
-            "clock": "microseconds since each rank's own t0, taken right after a barrier at trace start",
+            "clock": f"microseconds since each rank's {START!r} event, recorded right after a barrier",
             "max_steps": self.max_steps,
         }
 
@@ -270,6 +217,17 @@ class Tracer:
             json.dump(content, file, separators=(",", ":"))
         os.replace(partial, path)
         self.written.append(path)
+
+
+def _exported(profiler: profile) -> dict[str, Any]:
+    # The profile as torch exports it (Chrome trace JSON), read back: torch
+    # writes it to a file only (torch/profiler/profiler.py, export_chrome_trace).
+    with tempfile.TemporaryDirectory(prefix="torchreplicate-trace-") as folder:
+        path = os.path.join(folder, "profile.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            exported: dict[str, Any] = json.load(file)
+    return exported
 
 
 def _check_arguments(
