@@ -328,6 +328,12 @@ def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
         for step in range(2):
             model(data(rank, step)).sum().backward()
     assert torchreplicate.verify_replicas(model, grads=True).ok
+    with torch.profiler.profile(), pytest.raises(RuntimeError, match="another torch profiler is recording"):
+        torchreplicate.trace(os.path.join(folder, "nested.json"), model=model).__enter__()
+    with pytest.raises(RuntimeError, match="another torch profiler was started inside"):
+        with torchreplicate.trace(os.path.join(folder, "inside.json"), model=model):
+            with torch.profiler.profile():
+                model(data(rank, 0))
     with open(path) as file:
         events = [e for e in json.load(file)["traceEvents"] if e["ph"] != "M"]
     assert os.path.exists(os.path.join(folder, "alone.png"))

@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
+from torchreplicate.torch_internals import profiler_active
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
@@ -75,10 +76,11 @@ def trace(
     ``<path stem>.rank<r>.json`` and the exception propagates. At world size
     1 there is no reducer: the file holds torch's ops only.
 
-    Limits: one profiler at a time (torch refuses to start a second one on
-    the same thread, so trace() cannot run inside another
-    ``torch.profiler.profile``), and the profiler keeps every event in memory
-    until exit, whatever ``max_steps``.
+    Limits: torch runs one profiler at a time (a second one started takes
+    the events from the first), so trace() refuses to start while another
+    torch profiler records, and a profiler started inside the block leaves
+    trace() nothing to write (an error at exit); the profiler keeps every
+    event in memory until exit, whatever ``max_steps``.
 
     Args:
         path: the Chrome trace JSON file rank 0 writes.
@@ -99,6 +101,8 @@ def trace(
     Raises:
         ValueError: ``model`` is not replicated, or ``max_steps`` < 1.
         TypeError: ``path`` or ``plot`` has the wrong type.
+        RuntimeError: at entry, another torch profiler is recording; at
+            exit, one was started inside the block.
     """
     return Tracer(path, model=model, plot=plot, max_steps=max_steps)
 
@@ -137,6 +141,11 @@ class Tracer:
         model = self._model
         if model is None or self.profiler is not None:
             raise RuntimeError("trace(): a Tracer can be entered once")
+        if profiler_active():  # before the barrier: refused alone, not after the others passed it
+            raise RuntimeError(
+                "trace(): another torch profiler is recording, and torch runs one at a time; stop it "
+                "before trace(), or read the reducer's torchreplicate:: labels in that profiler's own trace"
+            )
         group = get_state(model).group
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.profiler = profile(activities=activities)
@@ -154,9 +163,14 @@ class Tracer:
     ) -> None:
         model, profiler = self._model, self.profiler
         assert model is not None and profiler is not None, "entered"
+        self._model = None
+        if not profiler_active():  # torch runs one session: another profiler, started and stopped inside, ended ours
+            raise RuntimeError(
+                "trace(): another torch profiler was started inside the trace() block and ended its session "
+                "(torch runs one at a time), so there is nothing to write; run one profiler at a time"
+            )
         profiler.stop()
         group = get_state(model).group
-        self._model = None
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.events = rank_events(rank, world_size, _exported(profiler), self.max_steps)
         if exc_type is not None:
