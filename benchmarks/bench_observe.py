@@ -6,7 +6,7 @@ Usage::
     python benchmarks/bench_observe.py            # full run, ~2 min on 2 CPU cores
     python benchmarks/bench_observe.py --quick    # smoke run, ~40 s
 
-One launch, 2 ranks, gloo, one intra-op thread per rank. Per model, five
+One launch, 2 ranks, gloo, one intra-op thread per rank. Per model, three
 engines live side by side in one process group, each a ``replicate()`` of
 its own model copy (same init, default options) with its own SGD, timed in
 interleaved rounds as in ``bench_ddp.py`` (``benchlib.rounds.run_rounds``):
@@ -14,16 +14,19 @@ interleaved rounds as in ``bench_ddp.py`` (``benchlib.rounds.run_rounds``):
 - ``off``: nothing attached (the default): one attribute check per event point;
 - ``null``: ``replicate.state(m).set_events(NullEvents())``, an observer whose
   methods do nothing: the cost of the calls alone;
-- ``trace``: inside ``torchreplicate.trace(...)`` for the whole run (the
-  recorder, plus keeping each step's record);
 - ``summary``: ``torchreplicate.log_summary(m, every=100)`` (the recorder,
-  plus one small all-reduce every 100th step);
-- ``both``: trace and summary together (one shared recorder).
+  plus one small all-reduce every 100th step).
+
+``trace()`` runs ``torch.profiler``, which records every op of the process,
+so it cannot share the process with engines timed untraced: after the
+rounds, the ``off`` engine runs as many rounds again, each one block of K
+steps inside ``trace()`` (``trace``; entry and exit, with the export and the
+gather, untimed) and one without (``untraced``), in alternating order.
 
 Then, untimed by the rounds: the time of one ``verify_replicas(model)`` call
 (median of repeated calls, slowest rank), and in the parent process the
 recorder alone, fed one synthetic step of each model's event pattern
-(nanoseconds per step, no process group: the floor of ``trace``'s cost).
+(nanoseconds per step, no process group: the floor of ``summary``'s cost).
 
 Writes ``<out>/observer_cost.json`` and ``<out>/observer_cost.md`` and prints the table.
 Timings are reported, never asserted.
@@ -32,6 +35,7 @@ Timings are reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -52,8 +56,9 @@ from torchreplicate import log_summary, replicate, trace, verify_replicas
 from torchreplicate.observe.timeline import StepRecorder
 
 MODELS = ("mlp", "small")
-ENGINES = ("off", "null", "trace", "summary", "both")
-PAIRS = (("null", "off"), ("trace", "off"), ("summary", "off"), ("both", "off"))
+ENGINES = ("off", "null", "summary")  # interleaved in one round
+KINDS = (*ENGINES, "untraced", "trace")  # and the trace rounds' two
+PAIRS = (("null", "off"), ("summary", "off"), ("trace", "untraced"))
 
 
 class NullEvents:
@@ -81,24 +86,16 @@ def timing_worker(cfg: dict) -> dict:
             torch.manual_seed(0)
             raw = build_model(model_name)
             engines[kind] = Engine(kind, model_name, replicate(raw), raw)
-        keep: list[Any] = []
         if "null" in engines:
             replicate.state(engines["null"].module).set_events(NullEvents())
-        for kind in ("trace", "both"):
-            if kind in engines:
-                tracer = trace(
-                    os.path.join(folder, f"{model_name}-{kind}.json"), model=engines[kind].module, plot=False
-                )
-                keep.append(tracer.__enter__())
-        for kind in ("summary", "both"):
-            if kind in engines:
-                keep.append(log_summary(engines[kind].module, every=100))  # INFO: computed, not shown
+        summary = log_summary(engines["summary"].module, every=100) if "summary" in engines else None
         timed = run_rounds(engines, batch, cfg)
-        for handle in keep:
-            if hasattr(handle, "stop"):
-                handle.stop()
-            else:
-                handle.__exit__(None, None, None)
+        if summary is not None:
+            summary.stop()
+        path = os.path.join(folder, f"{model_name}-trace.json")
+        traced = trace_rounds(engines["off"], batch, timed["steps_per_block"], cfg["rounds"], path)
+        for key, blocks in traced.items():
+            timed[key].update(blocks)
         model = engines["off"].module
         verify_replicas(model)  # warm
         checks = []
@@ -116,7 +113,35 @@ def timing_worker(cfg: dict) -> dict:
             "verify_ms": statistics.median(checks) * 1e3,
             **timed,
         }
-        del engines, keep
+        del engines
+    return out
+
+
+def trace_rounds(engine: Engine, batch: Any, k: int, rounds: int, path: str) -> dict[str, dict[str, list[Any]]]:
+    """Blocks of ``k`` steps of ``engine``, each round one inside ``trace()`` and one not, in alternating order.
+
+    Entry and exit of ``trace()`` (barrier, export, gather, rank 0's file)
+    are outside the timed block. Returns ``per_step_s``, ``block_s`` and
+    ``cpu_block_s`` for the kinds ``trace`` and ``untraced``, shaped as
+    ``run_rounds``' own.
+    """
+    out: dict[str, dict[str, list[Any]]] = {
+        key: {"untraced": [], "trace": []} for key in ("per_step_s", "block_s", "cpu_block_s")
+    }
+    for r in range(rounds):
+        for kind in ("untraced", "trace") if r % 2 == 0 else ("trace", "untraced"):
+            traced = kind == "trace"
+            with trace(path, model=engine.module, plot=False) if traced else contextlib.nullcontext():
+                dist.barrier()
+                steps = []
+                c_block, t_block = time.thread_time(), time.perf_counter()
+                for _ in range(k):
+                    t0 = time.perf_counter()
+                    engine.step(batch)
+                    steps.append(time.perf_counter() - t0)
+                out["block_s"][kind].append(time.perf_counter() - t_block)
+                out["cpu_block_s"][kind].append(time.thread_time() - c_block)
+                out["per_step_s"][kind].append(steps)
     return out
 
 
@@ -150,21 +175,21 @@ def markdown(report: dict) -> str:
     lines = [
         "**Cost of seeing inside a step** (2 ranks, gloo, 1 thread/rank, `replicate()` defaults; step time = "
         "median over rounds of block time / K, slowest rank; ratio = median of per-round ratios [IQR] (min-max); "
-        "`off`: no observer; `null`: an observer whose methods do nothing; `trace`: inside `trace()`; "
-        "`summary`: `log_summary(every=100)`; `both`: the two)",
+        "`off`: no observer; `null`: an observer whose methods do nothing; `summary`: `log_summary(every=100)`; "
+        "then, in rounds of their own, the `off` model inside `trace()` (torch.profiler on) and not (`untraced`))",
         "",
-        "| model | buckets | off ms | null ms | trace ms | summary ms | both ms | **null / off** | **trace / off** "
-        "| summary / off | both / off | recorder alone, µs/step | `verify_replicas()` ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | buckets | off ms | null ms | summary ms | untraced ms | trace ms | **null / off** "
+        "| summary / off | **trace / untraced** | recorder alone, µs/step | `verify_replicas()` ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cpu_lines = [
         "",
         "**Training-thread CPU time per step** (`time.thread_time()`, mean over ranks: the observer's work, without "
         "waiting and without the time other processes took the core; gloo's own threads not included)",
         "",
-        "| model | off ms | null ms | trace ms | summary ms | both ms | **null / off** | **trace / off** "
-        "| summary / off | both / off |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | off ms | null ms | summary ms | untraced ms | trace ms | **null / off** | summary / off "
+        "| **trace / untraced** |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["results"].items():
         e, r = m["engines"], m["ratios"]
@@ -174,7 +199,7 @@ def markdown(report: dict) -> str:
 
         lines.append(
             f"| {MODEL_TITLES.get(name, name)}, {m['n_tensors']} tensors | {m['num_buckets']} "
-            f"| {' | '.join(ms(k) for k in ENGINES)} "
+            f"| {' | '.join(ms(k) for k in KINDS)} "
             f"| {' | '.join(fmt_ratio(r.get(f'{a}/{b}')) for a, b in PAIRS)} "
             f"| {m['recorder_ns_per_step'] / 1e3:.1f} | {m['verify_ms']:.2f} |"
         )
@@ -183,7 +208,7 @@ def markdown(report: dict) -> str:
             return f"{e[kind]['cpu_step_ms']['median']:.2f}" if kind in e else "n/a"
 
         cpu_lines.append(
-            f"| {MODEL_TITLES.get(name, name)} | {' | '.join(cpu(k) for k in ENGINES)} "
+            f"| {MODEL_TITLES.get(name, name)} | {' | '.join(cpu(k) for k in KINDS)} "
             f"| {' | '.join(fmt_ratio(m['cpu_ratios'].get(f'{a}/{b}')) for a, b in PAIRS)} |"
         )
     return "\n".join(lines + cpu_lines) + "\n"
