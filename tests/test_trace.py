@@ -191,6 +191,9 @@ def test_trace_has_every_bucket_of_every_step(pools, tmp_path):
     assert results[0].plot_magic == b"\x89PNG\r\n\x1a\n"
     events = trace["traceEvents"]
     assert trace["otherData"]["num_ranks"] == 2
+    buckets = trace["otherData"]["buckets"]  # the layout at exit, after the re-plan: what "(bucket k)" holds
+    assert [b["index"] for b in buckets] == list(range(num_buckets[-1])), buckets
+    assert sorted(n for b in buckets for n in b["params"]) == ["0.bias", "0.weight", "4.bias", "4.weight"], buckets
     assert {e["pid"] for e in events} == {0, 1}
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert processes == {0: "rank 0", 1: "rank 1"}, processes

@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
+from torchreplicate.reducer.probe import BucketInfo
 from torchreplicate.torch_internals import profiler_active
 from torchreplicate.version import __version__
 
@@ -68,8 +69,9 @@ def trace(
     from the end of backward), the end of backward's wait for it (the
     exposed communication), late rounds, and the forward hooks. What torch's
     own export lacks is added: one process per rank named "rank r", one
-    clock origin ([Note: trace clocks]) and each labelled event's
-    synchronised step in its ``args``. Enter and leave the context at the
+    clock origin ([Note: trace clocks]), each labelled event's synchronised
+    step in its ``args``, and under ``"otherData"`` the bucket layout at
+    exit (each bucket's index, parameter names, elements and bytes). Enter and leave the context at the
     same point on every rank: entry runs a barrier and a clean exit one
     ``all_gather_object`` to rank 0, which writes the files. If the block
     raises, no collective runs: each rank writes its own events to
@@ -134,6 +136,7 @@ class Tracer:
         # - This rank's recording
         self.profiler: Optional[profile] = None  # torch's profiler, from entry on
         self.events: list[Event] = []  # after exit: this rank's events, as merged
+        self._buckets: list[dict[str, Any]] = []  # at exit: the layout, for the file (torch has no word for it)
         # - After exit
         self.written: list[str] = []  # files this rank wrote
 
@@ -170,7 +173,9 @@ class Tracer:
                 "(torch runs one at a time), so there is nothing to write; run one profiler at a time"
             )
         profiler.stop()
-        group = get_state(model).group
+        state = get_state(model)
+        group = state.group
+        self._buckets = [] if state.reducer is None else [_bucket_entry(b) for b in state.reducer.info.buckets]
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         self.events = rank_events(rank, world_size, _exported(profiler), self.max_steps)
         if exc_type is not None:
@@ -221,6 +226,7 @@ class Tracer:
             "num_ranks": num_ranks,
             "clock": f"microseconds since each rank's {START!r} event, recorded right after a barrier",
             "max_steps": self.max_steps,
+            "buckets": self._buckets,
         }
 
     def _write_json(self, path: str, content: dict[str, Any]) -> None:
@@ -231,6 +237,11 @@ class Tracer:
             json.dump(content, file, separators=(",", ":"))
         os.replace(partial, path)
         self.written.append(path)
+
+
+def _bucket_entry(info: BucketInfo) -> dict[str, Any]:
+    # What "(bucket k)" in a label means: the same on every rank ([Note: one collective sequence] in reducer.py).
+    return {"index": info.index, "params": list(info.names), "numel": info.numel, "bytes": info.nbytes}
 
 
 def _exported(profiler: profile) -> dict[str, Any]:
