@@ -7,10 +7,11 @@ from that one call:
 - the stall watchdog's note of where this rank is (watchdog.py: what a
   failing rank's error says about the others), when a watchdog runs;
 - an observer of the step's timeline (``StepEvents``; timeline.py's recorder
-  is the one ``trace()`` and ``log_summary()`` attach), off by default;
+  is the one ``log_summary()`` attaches), off by default;
 - the profiler: ``span(phase, bucket)`` runs a phase under
   ``record_function("torchreplicate::<phase> (bucket k)")`` while a torch
-  profiler records, so a trace shows each phase and bucket by name.
+  profiler records, so a trace (``trace()`` runs one) shows each phase and
+  bucket by name.
 
 [Note: observer cost]
 With no watchdog, no observer and no profiler, a point costs one or two
