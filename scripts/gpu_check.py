@@ -1,12 +1,26 @@
-"""The first-GPU check (scripts/gpu_check.sh runs it): CUDA tests, NCCL overhead at world size 1, a table.
+"""The first-GPU check (scripts/gpu_check.sh runs it): one line per check, ordered by risk, then a summary.
 
-1. ``pytest -m cuda``: the suite's CUDA-marked tests (NCCL at world size 1
-   and 2 gloo ranks sharing the GPU with CUDA tensors, each against a
-   one-process reference; SyncBatchNorm).
-2. World size 1 on NCCL: an MLP (8 x Linear(4096, 4096), batch 256, fp32)
-   trained plain, under ``replicate()`` and under DDP, in interleaved
-   rounds; step time by CUDA events; ratios to plain local training (goal:
-   ours <= 1.02).
+Every check runs in fresh processes (``torchreplicate.launch``) with its own
+timeout, and a failing check never stops the next. Where a check compares,
+it compares with plain local training or with DDP on the same device:
+
+1. ``helpers``: the tests' parity helpers on CUDA tensors (digests, gathers).
+2. ``sync_free``: world size 1 on NCCL with a reducer forced to exist (at
+   world size 1 ``replicate()`` builds none), a model with BatchNorm at the
+   defaults; ``torch.cuda.set_sync_debug_mode("error")`` around 3 steady
+   steps: any host synchronisation in a step raises, and the line says where.
+3. ``ws1_bitwise``: the same, 5 steps, against local training: bitwise.
+4. ``pytest -m cuda``: the suite's CUDA-marked tests (tests/test_cuda.py).
+5. ``gloo2_vs_ddp``: 2 gloo ranks sharing the GPU with CUDA tensors, ours
+   against DDP on the same batches (BatchNorm, 2 buckets), 5 steps.
+6. ``bf16``, ``comm_hook``, ``compile``: mp_policy (bf16 compute, fp32
+   averaging) against DDP under autocast-free bf16 copies; DDP's
+   ``fp16_compress_hook`` on both; ``torch.compile`` of the replicated model
+   against eager: each within the tolerance its precision allows.
+7. ``ws1_overhead``: an MLP (8 x Linear(4096), batch 256) at world size 1 on
+   NCCL: plain, ours with its reducer, DDP; interleaved rounds timed by CUDA
+   events; ratios to plain (goal: ours <= 1.02).
+8. ``memory``: peak CUDA memory of 3 steps, ours against DDP (world size 1).
 
 Exits 1, saying why, when no CUDA GPU is visible: nothing is skipped.
 """
@@ -18,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,10 +47,166 @@ WIDTH, DEPTH, BATCH = 4096, 8, 256
 ROUNDS, STEPS = 7, 20
 
 
+def bn_model(width: int = 512) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10)).cuda()
+
+
+def batch(rank: int, step: int, width: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(32, width, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda()
+
+
+def with_reducer(model: nn.Module) -> nn.Module:
+    """``replicate(model)`` with its reducer installed even at world size 1 (where none is built)."""
+    replicated = replicate(model)
+    state = replicate.state(replicated)
+    if state.reducer is None:
+        state.reducer = state.build_reducer()
+    return replicated
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    nn.functional.cross_entropy(model(data[0]), data[1]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def nccl_ws1() -> None:
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+
+
+def done() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the checks (each runs in launched processes and returns a one-line result) -------------
+
+
+def check_helpers() -> str:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from parity import digest  # the tests' own helpers
+
+    model = bn_model()
+    assert digest(model) == digest(model), "digest not stable"
+    return "parity.digest reads CUDA parameters"
+
+
+def check_sync_free_steps() -> str:
+    nccl_ws1()
+    model = with_reducer(bn_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(3):
+        step(model, optimizer, batch(0, i))
+    data = [batch(0, 10 + i) for i in range(3)]  # made before: the batch's own copy to the GPU is not the step's
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for item in data:
+            step(model, optimizer, item)
+    except RuntimeError as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "torchreplicate" in f.filename]
+        where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+        raise AssertionError(f"a host sync in a steady step at {where}: {str(error).splitlines()[0]}") from None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done()
+    return "3 steady steps, no host synchronisation"
+
+
+def check_ws1_bitwise() -> str:
+    nccl_ws1()
+    ours, local = with_reducer(bn_model()), bn_model()
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01)
+    opt_local = torch.optim.SGD(local.parameters(), lr=0.01)
+    for i in range(5):
+        step(ours, opt_ours, batch(0, i))
+        step(local, opt_local, batch(0, i))
+    for (name, p), q in zip(ours.named_parameters(), local.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs from local training after 5 steps"
+    done()
+    return "5 steps bitwise equal to local training"
+
+
+def check_gloo2_vs_ddp() -> str:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.cuda.set_device(0)
+    ours = replicate(bn_model(), bucket_cap_mb=1)
+    theirs = nn.parallel.DistributedDataParallel(bn_model(), bucket_cap_mb=1)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=0.01)
+    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.01)
+    for i in range(5):
+        step(ours, opt_ours, batch(rank, i))
+        step(theirs, opt_theirs, batch(rank, i))
+    for (name, p), q in zip(ours.named_parameters(), theirs.module.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+    done()
+    return f"rank {rank}: 5 steps within 1e-5 of DDP"
+
+
+def check_bf16() -> str:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    nccl_ws1()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours, reference = with_reducer_mp(bn_model(), policy), bn_model()
+    data = batch(0, 0)
+    nn.functional.cross_entropy(ours(data[0]).float(), data[1]).backward()
+    nn.functional.cross_entropy(reference(data[0]), data[1]).backward()
+    for (name, p), q in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and p.grad.dtype == torch.float32, f"{name}: {p.grad}"
+        torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-3, msg=lambda m, n=name: f"{n}: {m}")
+    done()
+    return "bf16 compute, fp32 gradients within bf16 rounding of fp32 training"
+
+
+def with_reducer_mp(model: nn.Module, policy: Any) -> nn.Module:
+    replicated = replicate(model, mp_policy=policy)
+    state = replicate.state(replicated)
+    if state.reducer is None:
+        state.reducer = state.build_reducer()
+    return replicated
+
+
+def check_comm_hook() -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    nccl_ws1()
+    ours = replicate(bn_model())
+    ours.register_comm_hook(None, fp16_compress_hook)  # builds the reducer at world size 1 too
+    theirs = nn.parallel.DistributedDataParallel(bn_model(), device_ids=[0])
+    theirs.register_comm_hook(None, fp16_compress_hook)
+    for model in (ours, theirs):
+        data = batch(0, 0)
+        nn.functional.cross_entropy(model(data[0]), data[1]).backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    done()
+    return "fp16_compress_hook: gradients bitwise DDP's"
+
+
+def check_compile() -> str:
+    nccl_ws1()
+    eager, compiled_base = with_reducer(bn_model()), with_reducer(bn_model())
+    compiled = torch.compile(compiled_base)
+    for model in (eager, compiled):
+        data = batch(0, 0)
+        nn.functional.cross_entropy(model(data[0]), data[1]).backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled_base.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    done()
+    return "torch.compile: gradients within 1e-4 of eager"
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    layers = [m for _ in range(DEPTH) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())]
-    return nn.Sequential(*layers).cuda()
+    return nn.Sequential(*[m for _ in range(DEPTH) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())]).cuda()
 
 
 def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
@@ -49,13 +221,11 @@ def timed_steps(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return start.elapsed_time(end) / STEPS
 
 
-def overhead() -> dict[str, list[float]]:
-    """Per-round ms per step of plain, ours and DDP at world size 1 on NCCL (interleaved rounds)."""
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
+def check_ws1_overhead() -> str:
+    nccl_ws1()
     engines = {
         "local": mlp(),
-        "ours": replicate(mlp()),
+        "ours": with_reducer(mlp()),
         "ddp": nn.parallel.DistributedDataParallel(mlp(), device_ids=[0]),
     }
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in engines.items()}
@@ -66,8 +236,62 @@ def overhead() -> dict[str, list[float]]:
     for _ in range(ROUNDS):
         for name in engines:
             times[name].append(timed_steps(engines[name], optimizers[name], x))
-    dist.destroy_process_group()
-    return times
+    done()
+    ratio = {n: statistics.median(a / b for a, b in zip(v, times["local"], strict=True)) for n, v in times.items()}
+    ms = {n: statistics.median(v) for n, v in times.items()}
+    return (
+        f"ms/step local {ms['local']:.2f}, ours {ms['ours']:.2f}, DDP {ms['ddp']:.2f}; "
+        f"ours/local {ratio['ours']:.3f} ({'meets' if ratio['ours'] <= 1.02 else 'misses'} <= 1.02), "
+        f"DDP/local {ratio['ddp']:.3f}"
+    )
+
+
+def check_memory() -> str:
+    nccl_ws1()
+    peaks = {}
+    for name in ("ours", "ddp"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = with_reducer(mlp()) if name == "ours" else nn.parallel.DistributedDataParallel(mlp(), device_ids=[0])
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = torch.randn(BATCH, WIDTH, device="cuda")
+        for _ in range(3):
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+        del model, optimizer, x
+    done()
+    return f"peak MiB ours {peaks['ours']:.0f}, DDP {peaks['ddp']:.0f}, ratio {peaks['ours'] / peaks['ddp']:.3f}"
+
+
+def run_pytest() -> str:
+    done_ = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT,
+        timeout=240,
+        capture_output=True,
+        text=True,
+    )
+    tail = (done_.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if done_.returncode != 0:
+        raise AssertionError(f"exit {done_.returncode}: {tail}\n{done_.stdout[-3000:]}")
+    return tail
+
+
+CHECKS: list[tuple[str, Callable[[], str], int]] = [  # name, function, ranks (0: in this process)
+    ("helpers", check_helpers, 0),
+    ("sync_free", check_sync_free_steps, 1),
+    ("ws1_bitwise", check_ws1_bitwise, 1),
+    ("pytest -m cuda", run_pytest, 0),
+    ("gloo2_vs_ddp", check_gloo2_vs_ddp, 2),
+    ("bf16", check_bf16, 1),
+    ("comm_hook", check_comm_hook, 1),
+    ("compile", check_compile, 1),
+    ("ws1_overhead", check_ws1_overhead, 1),
+    ("memory", check_memory, 1),
+]
 
 
 def main() -> int:
@@ -75,23 +299,25 @@ def main() -> int:
         print("gpu_check: FAILED: no CUDA GPU is visible (torch.cuda.is_available() is False); nothing was checked")
         return 1
     print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    started = time.monotonic()
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], cwd=ROOT, timeout=300
+    only = set(sys.argv[1:])
+    results = []
+    for name, fn, ranks in CHECKS:
+        if only and name not in only:
+            continue
+        started = time.monotonic()
+        try:
+            line = fn() if ranks == 0 else launch(fn, ranks, timeout_s=180)[0]
+            ok = True
+        except Exception as error:  # one line, and on to the next check
+            line, ok = " ".join(str(error).split())[:600], False
+        results.append((name, ok))
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.monotonic() - started:.0f} s): {line}", flush=True)
+    failed = [name for name, ok in results if not ok]
+    print(
+        f"\ngpu_check: {len(results) - len(failed)} of {len(results)} passed"
+        + (f"; failed: {failed}" if failed else "")
     )
-    tests_s = time.monotonic() - started
-    times = launch(overhead, 1, timeout_s=240)[0]
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(values, times["local"], strict=True))
-        for name, values in times.items()
-    }
-    print(f"\n| check | result |\n|---|---|\n| pytest -m cuda | exit {tests.returncode} ({tests_s:.0f} s) |")
-    for name in ("local", "ours", "ddp"):
-        print(f"| ws1 NCCL {name}: ms/step, ratio to local | {medians[name]:.3f} ms, {ratios[name]:.3f} |")
-    verdict = "meets" if ratios["ours"] <= 1.02 else "misses"
-    print(f"\nours/local {ratios['ours']:.3f} {verdict} the goal <= 1.02 (median of {ROUNDS} per-round ratios)")
-    return 0 if tests.returncode == 0 else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first-GPU check, one command, under 8 minutes: the CUDA-marked tests
+# The first-GPU check, one command, under 10 minutes: the CUDA-marked tests
 # (NCCL at world size 1, 2 gloo ranks sharing the GPU with CUDA tensors,
 # each against a one-process reference), the world-size-1 NCCL overhead
 # against plain local training and DDP, and a short table. Fails (exit 1),
@@ -8,4 +8,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 470 "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+exec timeout 560 "${PYTHON:-python3}" scripts/gpu_check.py "$@"

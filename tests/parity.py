@@ -32,12 +32,12 @@ def digest(module: nn.Module) -> str:
     """Bitwise fingerprint of the parameters (equal across ranks iff identical)."""
     h = hashlib.sha256()
     for p in module.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def assert_grads_match(model: nn.Module, reference: nn.Module, where: str) -> None:
