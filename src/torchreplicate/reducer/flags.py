@@ -30,6 +30,7 @@ the steps it shadowed, and the check stays armed for what follows.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, NamedTuple, Sequence
 
@@ -38,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
+_PERIOD = math.prod(MODULI)  # 2310: residues repeat with it
 
 
 class TrainingClock:
@@ -177,12 +179,18 @@ class StepFlags:
         self.ordinary[num_params:] = 0
         layout_at = num_params + 1 + _RESIDUE_WIDTH
         self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=self.tail.dtype)
-        self._clock_cache: tuple[int, torch.Tensor] = (-1, self.ordinary)  # (clock, ordinary with its residues)
+        # Every clock's residues, on the flags' device, made once: residues repeat with the
+        # product of the moduli, so writing the clock is a device copy of one row, never a
+        # host-to-device copy in the step (on a GPU, a synchronisation from pageable memory)
+        rows = [one_hot_residues(value) for value in range(_PERIOD)]
+        self.clock_rows = torch.tensor(rows, dtype=self.tail.dtype, device=self.tail.device)
 
     def write(self, unused_here: Sequence[int], late: bool) -> None:
         """Fills the tail with this rank's flags (and the clock as it is now)."""
         tail = self.tail
-        tail.copy_(self._ordinary_at(self.clock.steps))
+        tail.copy_(self.ordinary)
+        at = self.num_params + 1
+        tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
         if unused_here:
             tail[torch.tensor(unused_here, device=tail.device)] = 0
         if late:
@@ -200,12 +208,3 @@ class StepFlags:
             counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
             unused_everywhere = frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)
         return FlagSums(unused_everywhere, rest[0] > 0, clocks_agree, layouts_agree)
-
-    def _ordinary_at(self, clock: int) -> torch.Tensor:
-        cached_clock, template = self._clock_cache
-        if cached_clock != clock:  # once per optimizer step, not per backward
-            template = self.ordinary.clone()
-            at = self.num_params + 1
-            template[at : at + _RESIDUE_WIDTH] = torch.tensor(one_hot_residues(clock), dtype=template.dtype)
-            self._clock_cache = (clock, template)
-        return template
