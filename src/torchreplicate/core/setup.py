@@ -81,11 +81,7 @@ def plan_tree(
 ) -> Plan:
     """What ``module``'s tree replicates now: all but the ``ignored``, the ``lazy`` modules still pending and
     the children ``fully_shard`` manages; ``inner``: the replicated modules inside it (nested.py).
-
-    Raises:
-        RuntimeError: ``module`` is inside a module ``fully_shard`` manages.
     """
-    nested.refuse_inside_fully_shard(module)
     skipped = list(ignored) + list(lazy)
     skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
     return make_plan(module, skipped, list(inner), ignored_names(module))
