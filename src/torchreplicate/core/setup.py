@@ -59,7 +59,7 @@ def process_group(given: Optional[WeakGroup]) -> WeakGroup:
         raise RuntimeError(
             "replicate(): torch.distributed is not initialized; call "
             "torch.distributed.init_process_group() first (torchrun or "
-            "torchreplicate.launch() set up its environment)"
+            "torch's elastic_launch set up its environment)"
         )
     world = dist.group.WORLD
     assert world is not None, "initialised above"
