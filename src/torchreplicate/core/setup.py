@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import MiB, ReplicateConfig
-from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
