@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_ddp.py --quick         # smoke run, ~1.5 min
     python benchmarks/bench_ddp.py --rounds 30 --models mlp,small --out /tmp/res
 
-Phases (each a separate ``torchreplicate.launch`` of fresh processes, gloo,
+Phases (each a separate ``launch`` of fresh processes (tests/local_ranks.py), gloo,
 one intra-op thread per rank):
 
 1. timing, 2 ranks: engines ``local`` (no communication), ``ddp`` (torch

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.report import RESULTS_DIR, finish_report, run_env
-from torchreplicate.launcher import free_port
+from local_ranks import free_port
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import torchft_runs  # noqa: E402  (tests/: the scenario the test runs, shared)

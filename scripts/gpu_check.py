@@ -40,7 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate import replicate
-from torchreplicate.launcher import launch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from local_ranks import launch  # noqa: E402  (tests/: the tests' launcher, a deadline that kills every rank)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIDTH, DEPTH, BATCH = 4096, 8, 256

@@ -1,6 +1,6 @@
 """Which library files one synchronised training step runs through, and how many calls cross files.
 
-Runs 2 local gloo ranks (torchreplicate.launcher.launch); each replicates a
+Runs 2 local gloo ranks (the tests' launcher, tests/local_ranks.py); each replicates a
 small MLP, trains 3 warm-up steps (the first step learns the layout), then
 traces one step (forward, backward, optimizer step) with ``sys.setprofile``
 and prints, on rank 0, the library files whose Python functions ran and the
@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 import torchreplicate
-from torchreplicate.launcher import launch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from local_ranks import launch  # noqa: E402  (tests/: the tests' launcher, a deadline that kills every rank)
 
 PACKAGE = os.path.dirname(torchreplicate.__file__)
 

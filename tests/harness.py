@@ -5,7 +5,7 @@ gloo process group and runs test functions on all of them. Pools are reused
 across tests (spawning and importing torch costs seconds); a pool whose task
 failed or timed out is killed and replaced, since its ranks may be stuck in
 mismatched collectives. Starting, collecting and stopping the ranks are the
-launcher's own pieces (``torchreplicate.launcher``), as ``launch()`` uses them.
+launcher's own pieces (local_ranks.py), as its ``launch()`` uses them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-from torchreplicate.launcher import WorkerError, call_and_report, collect_results, start_ranks, stop_ranks
+from local_ranks import WorkerError, call_and_report, collect_results, start_ranks, stop_ranks
 
 TASK_TIMEOUT_S = 120.0  # one test function on every rank
 PG_TIMEOUT_S = 60  # a collective waiting longer fails instead of hanging

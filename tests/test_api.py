@@ -289,3 +289,29 @@ def check_model_module(rank, world_size):
 def test_model_module_is_the_model_seen_as_ddps_module(pools):
     # DDP code unwraps `model.module`: the same model, with DDP's keys, and no `.module` of its own.
     pools.run(2, check_model_module)
+
+
+def check_failed_replicate_leaves_no_registration(rank, world_size):
+    from torch.distributed._composable.contract import _get_registry
+
+    model = MLP()
+    errors = []
+    for _ in range(2):  # refused the same way twice: the first left no "already applied"
+        with pytest.raises(RuntimeError) as info:
+            replicate(model, bucket_cap_mb=25 if rank == 0 else 10)  # the ranks disagree: refused at set-up
+        errors.append(str(info.value))
+    assert all("with different bucket_cap_mb" in e for e in errors), f"rank {rank}: {errors}"
+    assert "replicate" not in (_get_registry(model) or {}), f"rank {rank}: torch's registry still holds it"
+    with pytest.raises(ValueError, match="not managed by replicate"):
+        replicate.state(model)
+    assert type(model) is MLP, f"rank {rank}: the class was swapped: {type(model)}"
+    replicate(model)  # agreed options: now it works, and torch's registry says so (what fully_shard reads)
+    assert "replicate" in (_get_registry(model) or {}), f"rank {rank}: not in torch's registry"
+    twin = copy.deepcopy(model)  # a plain module: no registry entry, so it can be replicated again
+    assert "replicate" not in (_get_registry(twin) or {}), f"rank {rank}: the copy kept the registry entry"
+    replicate(twin)
+
+
+def test_a_failed_replicate_leaves_no_registration(pools):
+    # [Note: the registry] in core/registry.py: the entry in torch's registry is undone with the set-up
+    pools.run(2, check_failed_replicate_leaves_no_registration)

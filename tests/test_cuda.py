@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from local_ranks import launch
 from parity import assert_grads_match, assert_replicas_identical, seeded, sgd_step
 from torchreplicate import replicate
-from torchreplicate.launcher import launch
 
 pytestmark = [
     pytest.mark.cuda,

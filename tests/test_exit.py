@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harness import TORCHRUN, run_command
-from torchreplicate import launch, replicate
+from local_ranks import launch
+from torchreplicate import replicate
 
 NUM_RUNS = 5
 NUM_BUSY = 2  # busy loops alongside, one core each

@@ -17,11 +17,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from harness import PG_TIMEOUT_S
+from local_ranks import start_ranks, stop_ranks
 from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.errors import DesyncReport, format_desync
-from torchreplicate.launcher import start_ranks, stop_ranks
 from torchreplicate.reducer.watchdog import StallWarning
 
 

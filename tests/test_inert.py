@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torchreplicate
+from local_ranks import launch
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.config import ReplicateConfig
@@ -275,8 +276,8 @@ def differences(ours: dict[str, Any], ddp: dict[str, Any]) -> dict[str, tuple[An
 
 @pytest.mark.timeout(240)
 def test_the_process_is_left_as_ddp_leaves_it():
-    ddp = torchreplicate.launch(states_through_a_job, nprocs=2, args=("ddp",), timeout_s=120)
-    ours = torchreplicate.launch(states_through_a_job, nprocs=2, args=("ours",), timeout_s=120)
+    ddp = launch(states_through_a_job, nprocs=2, args=("ddp",), timeout_s=120)
+    ours = launch(states_through_a_job, nprocs=2, args=("ours",), timeout_s=120)
     points = ["before wrapping", "after 3 steps", "after a re-plan", "after destroy_process_group()"]
     for rank in range(2):
         for point, mine, theirs in zip(points, ours[rank], ddp[rank], strict=True):
@@ -323,7 +324,7 @@ def seeded_job(options: dict[str, Any]) -> bytes:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nprocs, num_runs", [(3, 3), (2, 2), (4, 2)])
 def test_the_same_seed_gives_the_same_bits_on_every_run(nprocs, num_runs):
-    runs = [torchreplicate.launch(seeded_job, nprocs=nprocs, args=({},), timeout_s=150)[0] for _ in range(num_runs)]
+    runs = [launch(seeded_job, nprocs=nprocs, args=({},), timeout_s=150)[0] for _ in range(num_runs)]
     assert int.from_bytes(runs[0][:2], "little") >= 2, "one bucket: the layout would not matter"
     assert all(run == runs[0] for run in runs[1:]), f"a rerun on {nprocs} ranks gave other weights"
 

@@ -1,4 +1,4 @@
-"""launch() from Python; scripts under torchrun."""
+"""The tests' launch() (local_ranks.py) from Python; scripts under torchrun; the removed public launch()."""
 
 import multiprocessing
 import os
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import TORCHRUN, run_command
-from torchreplicate.launcher import WorkerError, launch
+from local_ranks import WorkerError, launch
 
 # -- launch() from Python: the targets run on the launched ranks, which import
 # them from this module by name (tests/ is on sys.path)
@@ -81,6 +81,17 @@ def test_a_value_that_cannot_be_pickled_is_reported_not_waited_for():
 def test_bad_nprocs():
     with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
         launch(rank_and_sum, 0)
+
+
+def test_the_removed_public_launch_names_its_replacement():
+    # torchreplicate.launch until 0.2.0: a user's import says what replaces it
+    with pytest.raises(ImportError, match=r"torchreplicate.launch was removed in 0.2\.0.*torchrun.*elastic_launch"):
+        from torchreplicate import launch as _  # noqa: F401
+    with pytest.raises(ImportError, match="ChildFailedError"):
+        from torchreplicate import WorkerError as _  # noqa: F401,F811
+    import torchreplicate
+
+    assert not hasattr(torchreplicate, "no_such_name"), "an unknown name must stay an AttributeError"
 
 
 # -- scripts: torchrun, not this package, launches them

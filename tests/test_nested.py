@@ -140,3 +140,94 @@ def test_nested_calls_on_different_groups_are_refused_on_every_rank(pools):
         )
         assert "(Sequential and the enclosing Stack)" in message, f"rank {rank}: {message}"
         assert "pass the same group or mesh to both" in message, f"rank {rank}: {message}"
+
+
+# -- replicate a child, then fully_shard the root ([Note: replicate under fully_shard]) --
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as one process holds it: ``fully_shard``'s DTensors gathered, plain tensors as they are."""
+    gathered = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return gathered.detach().clone()
+
+
+def under_fully_shard(rank: int, world_size: int, api_name: str) -> list[list[torch.Tensor]]:
+    """``api(model.blocks[1])``, then ``fully_shard(model)``: 3 SGD steps against the reference.
+
+    ``api`` is ours or torch's own composable ``replicate`` (the seed). Every
+    gradient and, after each step, every weight is compared with a
+    one-process reference on the global batch; returns the weights after
+    each step (full tensors), to compare the two APIs.
+    """
+    from torch.distributed._composable.replicate import replicate as seed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    api = {"ours": replicate, "seed": seed}[api_name]
+    model = seeded(Stack, 70 + rank)  # different on each rank: the set-up broadcasts must make them equal
+    reference = seeded(Stack, 70)
+    if rank != 0:
+        with torch.no_grad():  # fully_shard shards rank-local values: give it rank 0's outside the block
+            for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+                if not name.startswith("blocks.1."):
+                    p.copy_(q)
+    api(model.blocks[1])
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    block = {name for name, _ in model.blocks[1].named_parameters(prefix="blocks.1")}
+    sharded = {name for name, p in model.named_parameters() if hasattr(p, "full_tensor")}
+    assert sharded and not sharded & block, f"rank {rank} {api_name}: fully_shard took {sorted(sharded & block)}"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    after_steps = []
+    for step in range(3):
+        model(data(rank, step)).pow(2).mean().backward()
+        (sum(reference(data(r, step)).pow(2).mean() for r in range(world_size)) / world_size).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            assert p.grad is not None, f"rank {rank} {api_name} step {step}: {name} has no gradient"
+            torch.testing.assert_close(
+                full(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {api_name} {name}: {m}"
+            )
+        optimizer.step()
+        optimizer.zero_grad()
+        sgd_step(reference)
+        weights = [full(p) for p in model.parameters()]
+        for (name, _), weight, q in zip(model.named_parameters(), weights, reference.parameters(), strict=True):
+            torch.testing.assert_close(weight, q.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        after_steps.append(weights)
+    dist.barrier()  # the seed's DDP: gloo occasionally hangs in teardown otherwise
+    return after_steps
+
+
+def test_replicate_a_child_then_fully_shard_the_root_as_the_seed_does(pools):
+    # Refused before the registry was torch's: fully_shard now skips the replicated block.
+    ours, seed = pools.run(2, under_fully_shard, "ours"), pools.run(2, under_fully_shard, "seed")
+    for rank in range(2):
+        for step, (mine, theirs) in enumerate(zip(ours[rank], seed[rank], strict=True)):
+            for a, b in zip(mine, theirs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {rank} step {step}: {m}")
+
+
+def fully_shard_then_replicate(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Stack()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    try:
+        replicate(model.blocks[1])
+    except RuntimeError as error:
+        retried = "no retry"
+        try:
+            replicate(model.blocks[1])  # refused again, by the same check: the failed call left no entry
+        except RuntimeError as again:
+            retried = str(again)
+        return f"{error}\n{retried}"
+    return "no error"
+
+
+def test_replicate_inside_a_fully_shard_module_is_refused_on_every_rank(pools):
+    # fully_shard already reduces the block's gradients: replicate() would average them twice.
+    for message in pools.run(2, fully_shard_then_replicate):
+        first, again = message.split("\n", 1) if "\n" in message else (message, "")
+        for text in (first, again):
+            assert "inside a FSDPStack managed by fully_shard" in text, message
+            assert "average them a second time" in text, message

@@ -588,46 +588,7 @@ def test_sparse_flag_flipped_after_replicate_is_refused_on_every_rank(pools, to_
         assert "sparse flag" in message and "before replicate()" in message, message
 
 
-# -- 11: fully_shard on an enclosing module after replicate() ----------------------------
-
-
-def fully_shard_root_after(rank: int, world_size: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = seeded(MLP, 0)
-    replicate(model.body)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    try:
-        model(torch.randn(2, 32)).sum().backward()
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
-
-
-def test_fully_shard_on_an_enclosing_module_is_refused(pools):
-    for message in pools.run(2, fully_shard_root_after):
-        assert "inside a FSDPMLP managed by fully_shard" in message, message
-        assert "average them a second time" in message, message
-
-
-def replicate_inside_fully_shard(rank: int, world_size: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = seeded(MLP, 0)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    try:
-        replicate(model.body)
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
-
-
-def test_replicate_inside_a_fully_shard_module_is_refused_on_every_rank(pools):
-    for message in pools.run(2, replicate_inside_fully_shard):
-        assert "inside a FSDPMLP managed by fully_shard" in message, message
-        assert "average them a second time" in message, message
+# -- 11: fully_shard on an enclosing module after replicate(): exact, tests/test_nested.py ---
 
 
 # -- 13: bad input -----------------------------------------------------------------------

@@ -33,3 +33,7 @@ if importlib.util.find_spec("torchreplicate") is None:
 # checkout's tools/. Ranks started on hosts import benchlib too, so find it.
 if importlib.util.find_spec("hostnet") is None:
     sys.path.insert(0, os.path.join(_REPO, "tools"))
+# The tests' launcher (tests/local_ranks.py: ranks with a deadline that kills
+# them all), which ``ranks`` and ``hosts`` use; the tests' modules import as top-level names.
+if importlib.util.find_spec("local_ranks") is None:
+    sys.path.insert(0, os.path.join(_REPO, "tests"))

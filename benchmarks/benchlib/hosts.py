@@ -33,7 +33,7 @@ import time
 from typing import IO, Any, Callable
 
 import hostnet
-from torchreplicate.launcher import die_with_parent
+from local_ranks import die_with_parent
 
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MASTER_PORT = 29500  # each net is private to one launch, so a fixed port cannot collide

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import torchreplicate
-from torchreplicate.launcher import launch
+from local_ranks import launch
 
 
 def init_rank(threads: int = 1) -> tuple[int, int]:

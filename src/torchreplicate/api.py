@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
-from torchreplicate.core.nested import class_name, is_fully_sharded
-from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, unregister_state
+from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_inside_fully_shard
+from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, without_registry
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.core.unwrapped import ReplansOnConversion
 from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
@@ -130,7 +130,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
         plain = _original_class(type(self))
         attributes = reduced[2]
         if isinstance(attributes, dict):
-            attributes = _without_hooks(attributes, state.hook_handles)
+            attributes = without_registry(_without_hooks(attributes, state.hook_handles))
             attributes.pop("_join_config", None)  # torch's Join protocol state, set by replicate()
         # Not copyreg.__newobj__: pickle insists that its class be type(self).
         return (plain.__new__, (plain,), attributes, *reduced[3:])
@@ -339,20 +339,23 @@ def _process_group(
 def _attach_state(
     module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup], *, keep_local_values: bool
 ) -> nn.Module:
-    # Registers the module's state and runs its set-up (undone if that fails),
-    # then makes the module a ReplicateModule; returns it.
+    # Registers the module's state in torch's registry ([Note: the registry] in
+    # core/registry.py) and runs its set-up there (all undone if that fails):
+    # then the module is a ReplicateModule; returns it.
     state = ReplicateState(module, config, process_group)
-    register_state(module, state)
-    local_values = _local_values(module) if keep_local_values else {}
-    try:
-        state.init()
-    except BaseException:
-        state.remove_hooks()
-        unregister_state(module)
-        raise
-    _restore_local_values(module, local_values)
-    module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
-    disable_join(module)  # torch's join config, disabled until a Join
+
+    def set_up() -> None:
+        local_values = _local_values(module) if keep_local_values else {}
+        try:
+            state.init()
+        except BaseException:
+            state.remove_hooks()
+            raise
+        _restore_local_values(module, local_values)
+        module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
+        disable_join(module)  # torch's join config, disabled until a Join
+
+    register_state(module, state, set_up)
     return module
 
 
@@ -414,3 +417,4 @@ def _refuse_unsupported(module: object) -> None:
             f"this {type(module).__name__} is sharded by fully_shard; replicate its parent instead "
             "(submodules that fully_shard manages are skipped), or use fully_shard alone"
         )
+    refuse_inside_fully_shard(module)

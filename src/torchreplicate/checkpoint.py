@@ -2,7 +2,9 @@
 
 ``DistributedDataParallel(model).state_dict()`` prefixes every key with
 ``module.``; ``replicate`` does not wrap, so the replicated model's keys have
-no prefix. ``load_ddp_state_dict`` strips the prefix and loads. The other way
+no prefix. ``load_ddp_state_dict`` strips the prefix with torch's own helper
+(``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``, on a
+copy) and loads. The other way
 round needs nothing: a replicated model's ``state_dict()`` loads into
 ``ddp.module`` as it is. An optimizer's state dict is keyed by parameter
 position, not name, and loads unchanged either way.
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 __all__ = ["DDP_PREFIX", "load_ddp_state_dict"]
 
@@ -53,18 +56,9 @@ def load_ddp_state_dict(module: nn.Module, state_dict: Mapping[str, Any], *, str
     own_keys = set(module.state_dict().keys())
     if set(state_dict.keys()) == own_keys:  # already in this model's names (saved without DDP)
         return module.load_state_dict(state_dict, strict=strict)
-    stripped: OrderedDict[str, Any] = OrderedDict(
-        (key[len(DDP_PREFIX) :] if key.startswith(DDP_PREFIX) else key, value) for key, value in state_dict.items()
-    )
+    stripped: OrderedDict[str, Any] = OrderedDict(state_dict)  # torch's helper renames in place: a copy
     metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:  # per-submodule versions (BatchNorm reads its own): same renaming
-        stripped._metadata = OrderedDict(  # type: ignore[attr-defined]  # torch's own convention
-            (_strip_metadata_key(key), value) for key, value in metadata.items()
-        )
+    if metadata is not None:  # per-submodule versions (BatchNorm reads its own): renamed alike
+        stripped._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]  # torch's own convention
+    consume_prefix_in_state_dict_if_present(stripped, DDP_PREFIX)
     return module.load_state_dict(stripped, strict=strict)
-
-
-def _strip_metadata_key(key: str) -> str:
-    if key == "module":
-        return ""
-    return key[len(DDP_PREFIX) :] if key.startswith(DDP_PREFIX) else key

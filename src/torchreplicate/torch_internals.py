@@ -13,6 +13,7 @@ overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
 from __future__ import annotations
 
 import atexit
+import importlib
 import sys
 import types
 from typing import Any, Callable, Sequence
@@ -212,6 +213,58 @@ def fully_sharded_modules() -> list[nn.Module]:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return []
     return [module for module in list(_composable_state._module_state_mapping) if isinstance(module, FSDPModule)]
+
+
+def composable_api(state_cls: type, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` under torch's ``@contract(state_cls)``: the registry of composable APIs.
+
+    ``torch.distributed._composable.contract`` (private; torch >= 2.0,
+    checked on 2.13) is the decorator torch's own ``replicate`` and
+    ``fully_shard`` are registered with: a call records ``function.__name__``
+    in the module's registry (``fully_shard`` skips modules whose registry
+    holds ``"replicate"``) and a fresh ``state_cls()`` under ``function``,
+    refuses a second call on one module (``AssertionError``), and checks that
+    ``function`` left the names of parameters, buffers and submodules as they
+    were (``RuntimeError``). See [Note: the registry] in core/registry.py.
+    """
+    from torch.distributed._composable.contract import contract
+
+    registered: Callable[..., Any] = contract(state_cls)(function)
+    return registered
+
+
+def _contract_module() -> types.ModuleType:
+    # The module, not the function of the same name that the package re-exports over it.
+    return importlib.import_module("torch.distributed._composable.contract")
+
+
+def composable_state(module: object, function: Callable[..., Any]) -> Any:
+    """The state ``composable_api`` keeps for ``function`` on ``module``, or None; writes nothing.
+
+    Read from the module's ``__dict__`` under the contract's ``STATE_KEY``
+    (torch 2.13), not with the contract's own ``.state(module)``, which
+    stores an empty registry in every module it is asked about.
+    """
+    contract = _contract_module()
+    states = getattr(module, "__dict__", {}).get(contract.STATE_KEY)
+    return states.get(function) if isinstance(states, dict) else None
+
+
+def without_composable_api(namespace: dict[str, Any], function: Callable[..., Any]) -> dict[str, Any]:
+    """A copy of a module's ``__dict__`` without ``function``'s entries in the contract's registry.
+
+    Other APIs' entries stay. The contract's two dicts (``STATE_KEY``,
+    ``REGISTRY_KEY``; torch 2.13) are copied, not changed: ``namespace``
+    itself is left as it was. What a copy or a pickle of a replicated module
+    holds, and what a ``replicate()`` that failed part-way leaves.
+    """
+    contract = _contract_module()
+    copied = dict(namespace)
+    for key, entry in ((contract.STATE_KEY, function), (contract.REGISTRY_KEY, function.__name__)):
+        held = namespace.get(key)
+        if isinstance(held, dict) and entry in held:
+            copied[key] = type(held)((k, v) for k, v in held.items() if k != entry)
+    return copied
 
 
 def disable_join(joinable: object) -> None:

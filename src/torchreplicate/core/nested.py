@@ -10,9 +10,19 @@ gradients are reduced.
 
 Refused: ``replicate()`` on a module inside one it was already applied to
 (apply it to the blocks first; api.py refuses it), and on a module inside
-one ``fully_shard`` manages, which already reduces its gradients (here, at
-every plan). Children that ``fully_shard`` manages are left to it (the plan
-skips them).
+one ``fully_shard`` manages, which already reduces its gradients (here,
+called by api.py). Children that ``fully_shard`` manages are left to it (the
+plan skips them).
+
+[Note: replicate under fully_shard]
+The other order works: ``replicate(child)`` and then ``fully_shard(root)``.
+``replicate()`` registered the child in torch's registry ([Note: the
+registry] in core/registry.py), so ``fully_shard`` leaves the child's
+subtree out of its groups, as it does for torch's own ``replicate``: the
+child's gradients are ours to average, the rest ``fully_shard``'s, each
+reduced once. So the refusal above is checked once, at ``replicate()``: a
+module that enclosing ``fully_shard`` finds registered is one it skips.
+tests/test_nested.py trains that nesting beside torch's own ``replicate``.
 """
 
 from __future__ import annotations
@@ -42,14 +52,20 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 
 def refuse_inside_fully_shard(module: nn.Module) -> None:
-    """Raises RuntimeError if ``module`` is inside another module that ``fully_shard`` manages."""
+    """Raises RuntimeError if ``module`` is inside another module that ``fully_shard`` manages.
+
+    Called by ``replicate()`` before it registers ``module``: a ``fully_shard``
+    applied to an enclosing module later skips it ([Note: replicate under
+    fully_shard]).
+    """
     for sharded in fully_sharded_modules():
         if sharded is not module and any(m is module for m in sharded.modules()):
             raise RuntimeError(
                 f"replicate(): this {class_name(module)} is inside a {type(sharded).__name__} "
                 "managed by fully_shard, which already reduces its gradients; replicate() would "
-                "average them a second time. Apply fully_shard to children and replicate() to "
-                "the root, or only one of them"
+                "average them a second time. Apply replicate() first and fully_shard to the "
+                "enclosing module after (it then skips this one), or fully_shard to children and "
+                "replicate() to the root, or only one of them"
             )
 
 

@@ -1,36 +1,47 @@
-"""The per-module state registry: the only module-level mutable state.
+"""The per-module state registry, on torch's own: the only module-level mutable state.
 
-``replicate()`` records one state object per module it is applied to; the
-registry refuses a second application and answers ``replicate.state(module)``.
-Entries are held weakly, so a discarded model frees its state.
+[Note: the registry]
+``replicate()`` registers a module through torch's ``@contract``
+(``composable_api`` in torch_internals.py), the mechanism torch's own
+composable ``replicate`` (the seed) and ``fully_shard`` use: the module's
+registry, kept in its ``__dict__``, holds ``"replicate"``, so a
+``fully_shard`` applied to an enclosing module afterwards skips it, as it
+skips the seed's modules, and its gradients stay ours to reduce (core/nested.py).
+Its ``ReplicateState`` lives beside that entry (in the contract's state, a
+``_Slot``), so a discarded model frees it. The contract refuses a second
+application (api.py refuses first, with the seed's text and ours after it)
+and checks that the set-up renamed no parameter, buffer or submodule. A
+``.module`` view shares its module's ``__dict__`` ([Note: model.module] in
+core/unwrapped.py), so it sees the same registry and state. A ``replicate()``
+that fails part-way leaves no entry: a retry, or ``fully_shard``, sees a
+plain module.
 
-It also keeps two process-wide counters fed by torch's global hooks, installed
-with the first replicated module and removed with the last: the
-registration counter of [Note: re-planning] (plan.py), bumped whenever any
-module registers a parameter, buffer or submodule, and each replicated
-module's optimizer steps, its training clock ([Note: desync detection] in
-flags.py).
+The registry also keeps the live replicated modules (weakly) and two
+process-wide counters fed by torch's global hooks, installed with the first
+replicated module and removed with the last: the registration counter of
+[Note: re-planning] (plan.py), bumped whenever any module registers a
+parameter, buffer or submodule, and each replicated module's optimizer steps,
+its training clock ([Note: desync detection] in flags.py).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from torch import nn
 from torch.nn.modules import module as torch_module
 
 from torchreplicate.reducer.flags import OptimizerSteps
+from torchreplicate.torch_internals import composable_api, composable_state, without_composable_api
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
 
-_STATES: weakref.WeakKeyDictionary[object, ReplicateState] = weakref.WeakKeyDictionary()
-# model.module ([Note: model.module] in core/unwrapped.py): a replicated module's view while one
-# is alive, and a view's module. Weak both ways: the view shares the module's __dict__, which may
-# hold the module (a bound method), so a strong reference here would keep a discarded model alive.
-_VIEWS: weakref.WeakKeyDictionary[object, weakref.ref[object]] = weakref.WeakKeyDictionary()
-_VIEWED: weakref.WeakKeyDictionary[object, weakref.ref[object]] = weakref.WeakKeyDictionary()
+# Every module replicate() was applied to and that is alive: which hold another (enclosing_state),
+# and whether torch's global hooks are still needed. Weak: a discarded model leaves.
+_REPLICATED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class _RegistrationCounter:
@@ -67,26 +78,68 @@ registrations = _RegistrationCounter()
 _OPTIMIZER_STEPS = OptimizerSteps()  # the training clocks' hook ([Note: desync detection] in flags.py)
 
 
-def register_state(module: object, state: ReplicateState) -> None:
-    """Records ``state`` for ``module``; refuses a module that already has one."""
-    if module in _STATES:
-        raise RuntimeError(
-            f"replicate() was already applied to this {type(module).__name__}: "
-            "applying it twice is not supported; call it once on the root module"
-        )
+class _Slot:
+    """The state torch's contract makes for each module ``replicate()`` is applied to: holds its ``ReplicateState``."""
+
+    def __init__(self) -> None:
+        self.state: Optional[ReplicateState] = None  # set by _apply, before the set-up runs
+        # model.module ([Note: model.module] in core/unwrapped.py) while one is alive, held weakly:
+        # the view shares the module's __dict__, which holds this slot
+        self.view: Optional[weakref.ref[object]] = None
+
+
+def _apply(module: nn.Module, state: ReplicateState, set_up: Callable[[], None]) -> nn.Module:
+    # What the contract runs once it has registered `module`: the set-up, with the state findable.
+    slot: _Slot = composable_state(module, _apply)
+    slot.state = state
+    _REPLICATED.add(module)
+    _OPTIMIZER_STEPS.clocks.add(state.clock)
+    set_up()
+    return module
+
+
+# The contract's registry key is the function's name: "replicate", the one fully_shard skips.
+_apply.__name__ = "replicate"
+_registered_apply = composable_api(_Slot, _apply)
+
+
+def register_state(module: nn.Module, state: ReplicateState, set_up: Callable[[], None]) -> None:
+    """Registers ``module`` with ``state`` in torch's registry and runs ``set_up``; all undone if it raises.
+
+    Args:
+        module: the module ``replicate()`` is applied to.
+        state: its state, found by ``find_state`` while ``set_up`` runs.
+        set_up: the rest of ``replicate()``; must leave every name in the module tree as it was.
+
+    Raises:
+        AssertionError: the contract's: ``replicate()`` was already applied (api.py refuses that first).
+        RuntimeError: the contract's: ``set_up`` changed a parameter's, buffer's or submodule's name.
+    """
     registrations.install()
     _OPTIMIZER_STEPS.install()
-    _OPTIMIZER_STEPS.clocks.add(state.clock)
-    _STATES[module] = state
+    try:
+        _registered_apply(module, state, set_up)
+    except BaseException:
+        if find_state(module) is state:  # not a refusal of a second replicate(): that one stays
+            module.__dict__.update(without_composable_api(module.__dict__, _apply))
+            _REPLICATED.discard(module)
+            _OPTIMIZER_STEPS.clocks.discard(state.clock)
+        _release_hooks_if_unused()
+        raise
     weakref.finalize(module, _release_hooks_if_unused).atexit = False
 
 
 def _release_hooks_if_unused() -> None:
     # torch's global hooks live as long as a replicated module does: the
     # process is left as it was once the last one is gone (as DDP leaves it)
-    if next(iter(_STATES.keys()), None) is None:  # live modules only
+    if next(iter(_REPLICATED), None) is None:  # live modules only
         registrations.uninstall()
         _OPTIMIZER_STEPS.uninstall()
+
+
+def without_registry(namespace: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a replicated module's ``__dict__`` without its registry entry and state (a plain module's)."""
+    return without_composable_api(namespace, _apply)
 
 
 def get_state(module: object) -> ReplicateState:
@@ -107,38 +160,27 @@ def find_state(module: object) -> Optional[ReplicateState]:
     """The state of ``module``, or None if ``replicate()`` was not applied to it.
 
     A replicated module's ``.module`` view ([Note: model.module] in
-    core/unwrapped.py) has its module's state.
+    core/unwrapped.py) shares its ``__dict__``, so its registry and state.
     """
-    try:
-        state = _STATES.get(module)
-        if state is None and module in _VIEWED:
-            return _STATES.get(_VIEWED[module]())
-        return state
-    except TypeError:
-        return None
+    slot = composable_state(module, _apply)
+    return slot.state if isinstance(slot, _Slot) else None
 
 
 def find_view(module: object) -> Optional[Any]:
     """``module``'s ``.module`` view, if one is alive ([Note: model.module] in core/unwrapped.py)."""
-    ref = _VIEWS.get(module)
-    return None if ref is None else ref()
+    slot = composable_state(module, _apply)
+    return None if not isinstance(slot, _Slot) or slot.view is None else slot.view()
 
 
 def record_view(module: object, view: object) -> None:
-    """Records ``view`` as ``module``'s ``.module`` view (both held weakly)."""
-    _VIEWS[module] = weakref.ref(view)
-    _VIEWED[view] = weakref.ref(module)
+    """Records ``view`` as the replicated ``module``'s ``.module`` view (held weakly)."""
+    slot: _Slot = composable_state(module, _apply)
+    slot.view = weakref.ref(view)
 
 
 def enclosing_state(module: object) -> Optional[ReplicateState]:
     """The state of a replicated module that contains ``module`` (walks each replicated tree)."""
-    for other, state in list(_STATES.items()):
-        if other is not module and any(m is module for m in state.module.modules()):
-            return state
+    for other in list(_REPLICATED):
+        if other is not module and any(m is module for m in other.modules()):
+            return find_state(other)
     return None
-
-
-def unregister_state(module: object) -> None:
-    """Forgets ``module``'s state (a ``replicate()`` call that failed part-way)."""
-    _STATES.pop(module, None)
-    _release_hooks_if_unused()

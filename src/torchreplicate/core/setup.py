@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import MiB, ReplicateConfig
-from torchreplicate.core import nested
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
@@ -59,7 +58,7 @@ def process_group(given: Optional[WeakGroup]) -> WeakGroup:
         raise RuntimeError(
             "replicate(): torch.distributed is not initialized; call "
             "torch.distributed.init_process_group() first (torchrun or "
-            "torchreplicate.launch() set up its environment)"
+            "torch's elastic_launch set up its environment)"
         )
     world = dist.group.WORLD
     assert world is not None, "initialised above"
@@ -81,11 +80,7 @@ def plan_tree(
 ) -> Plan:
     """What ``module``'s tree replicates now: all but the ``ignored``, the ``lazy`` modules still pending and
     the children ``fully_shard`` manages; ``inner``: the replicated modules inside it (nested.py).
-
-    Raises:
-        RuntimeError: ``module`` is inside a module ``fully_shard`` manages.
     """
-    nested.refuse_inside_fully_shard(module)
     skipped = list(ignored) + list(lazy)
     skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
     return make_plan(module, skipped, list(inner), ignored_names(module))

@@ -1,17 +1,23 @@
-"""Runs a function on N local processes, one gloo rank each, and returns its results.
+"""The tests' launcher: runs a function on N local processes, one gloo rank each, and returns its results.
 
-``launch(fn, nprocs=2, args=(...))`` runs ``fn(*args)`` on every rank and
-returns the results by rank. Each process gets ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free ``MASTER_PORT``, and
-``fn`` calls ``init_process_group()`` itself. A failing rank's traceback is
-raised in the parent and the other ranks are killed; workers die with the
-parent. Scripts run under torchrun instead (``python -m torch.distributed.run
---standalone --nproc-per-node 2 train.py``): this module has no command line.
+``launch(fn, nprocs=2, args=(...), timeout_s=...)`` runs ``fn(*args)`` on
+every rank and returns the results by rank. Each process gets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1) and a free
+``MASTER_PORT``, and ``fn`` calls ``init_process_group()`` itself. A failing
+rank's traceback is raised in the parent and the other ranks are killed;
+workers die with the parent; past ``timeout_s`` every rank is killed and the
+ranks still running are named. The test suite's persistent worker pools
+(harness.py) are built from the same pieces: ``start_ranks``,
+``call_and_report``, ``collect_results`` and ``stop_ranks``. The benchmarks
+and scripts/ import it from here too (they put tests/ on ``sys.path``).
 
-``torch.multiprocessing.spawn`` starts and joins ranks too, but returns no
-values and has no deadline. The pieces of ``launch()`` are public so that the
-test suite's persistent worker pools use the same ones: ``start_ranks``,
-``call_and_report``, ``collect_results`` and ``stop_ranks``.
+It was ``torchreplicate.launch`` until 0.2.0. For users, torch has it:
+``torchrun`` for scripts, and ``torch.distributed.launcher.api.elastic_launch``
+to run a function on N local processes and get its results by rank (a
+failing rank's traceback in its ``ChildFailedError``). What this module adds
+is what a test suite needs and elastic_launch lacks: a wall-clock deadline
+that kills every rank (no test can hang), threads per rank, ranks that die
+with the parent, and reusable pieces for persistent pools.
 """
 
 from __future__ import annotations
@@ -269,10 +275,3 @@ def _launched(rank: int, results: ResultQueue, fn: Callable[..., Any], args: Seq
             dist.destroy_process_group()
     if not ok:
         sys.exit(1)
-
-
-if __name__ == "__main__":  # the command line that was here: torchrun runs scripts now
-    sys.exit(
-        "python -m torchreplicate.launcher has no command line any more; run the script with "
-        "torchrun --standalone --nproc-per-node N script.py (or python -m torch.distributed.run ...)"
-    )
