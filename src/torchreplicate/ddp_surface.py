@@ -134,7 +134,7 @@ def _bucket_bytes_cap(state: ReplicateState) -> int:
 def _device_type(state: ReplicateState) -> str:
     for param in state.plan.candidates:
         return param.device.type
-    return state.collective_device().type
+    return state.device.type
 
 
 def ignored_by_name(module: nn.Module, ignored_modules: tuple[nn.Module, ...]) -> frozenset[str]:
@@ -201,7 +201,7 @@ def _first_device(state: ReplicateState) -> torch.device:
     # DDP: the device of the first parameter it replicates.
     for param in state.params:
         return param.device
-    return state.collective_device()
+    return state.device
 
 
 def _first_cap_is_smaller(state: ReplicateState) -> bool:
@@ -358,7 +358,8 @@ class DDPSurface(DDPInternals):
         ``model.require_backward_grad_sync = False`` makes the next backwards
         accumulate locally, as under DDP (and as ``no_sync()``, which sets it).
         """
-        return get_state(self).requires_gradient_sync
+        state: ReplicateState = get_state(self)
+        return state.requires_gradient_sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
@@ -404,12 +405,14 @@ class DDPSurface(DDPInternals):
     @property
     def join_device(self) -> torch.device:
         """torch's ``Joinable`` protocol: where the join collectives run."""
-        return get_state(self).collective_device()
+        state: ReplicateState = get_state(self)
+        return state.device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         """torch's ``Joinable`` protocol: the group averaged over."""
-        return get_state(self).group
+        state: ReplicateState = get_state(self)
+        return state.group
 
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
         """DDP's: ``torch.nn.parallel.scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)``."""

@@ -74,7 +74,8 @@ class Joinable(Protocol):
     def group(self) -> dist.ProcessGroup:
         """The process group gradients are averaged over."""
 
-    def collective_device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
         """Where the module's own small collectives run."""
 
 
@@ -98,7 +99,7 @@ def join_round(state: Joinable, training: bool) -> JoinRound:
     """Runs one join round: a still-training rank sends its one-hot and sync flag; a joined rank zeros."""
     group = state.group
     world_size = dist.get_world_size(group)
-    vector = torch.zeros(world_size + 2, device=state.collective_device())
+    vector = torch.zeros(world_size + 2, device=state.device)
     if training:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
@@ -166,7 +167,7 @@ class ReplicateJoinHook(JoinHook):
         mark = torch.tensor(
             [float(dist.get_rank(group) if is_last_joiner else -1), float(state.clock.steps)],
             dtype=torch.float64,  # exact clocks up to 2**53 steps
-            device=state.collective_device(),
+            device=state.device,
         )
         dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
         source, steps = (int(x) for x in mark.tolist())

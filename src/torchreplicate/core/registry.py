@@ -27,17 +27,26 @@ its training clock ([Note: desync detection] in flags.py).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from torchreplicate.reducer.flags import OptimizerSteps
+from torchreplicate.reducer.flags import OptimizerSteps, TrainingClock
 from torchreplicate.torch_internals import composable_api, composable_state, without_composable_api
 
-if TYPE_CHECKING:
-    from torchreplicate.core.state import ReplicateState
+
+class Registered(Protocol):
+    """What the registry reads of the state it keeps: its training clock.
+
+    The state is state.py's ``ReplicateState``, which imports this file; the
+    registry only stores and returns it (as ``Any``: a caller knows its type),
+    so this file needs nothing else of it.
+    """
+
+    clock: TrainingClock
+
 
 # Every module replicate() was applied to and that is alive: which hold another (enclosing_state),
 # and whether torch's global hooks are still needed. Weak: a discarded model leaves.
@@ -82,13 +91,13 @@ class _Slot:
     """The state torch's contract makes for each module ``replicate()`` is applied to: holds its ``ReplicateState``."""
 
     def __init__(self) -> None:
-        self.state: Optional[ReplicateState] = None  # set by _apply, before the set-up runs
+        self.state: Optional[Any] = None  # the ReplicateState; set by _apply, before the set-up runs
         # model.module ([Note: model.module] in core/unwrapped.py) while one is alive, held weakly:
         # the view shares the module's __dict__, which holds this slot
         self.view: Optional[weakref.ref[object]] = None
 
 
-def _apply(module: nn.Module, state: ReplicateState, set_up: Callable[[], None]) -> nn.Module:
+def _apply(module: nn.Module, state: Registered, set_up: Callable[[], None]) -> nn.Module:
     # What the contract runs once it has registered `module`: the set-up, with the state findable.
     slot: _Slot = composable_state(module, _apply)
     slot.state = state
@@ -103,7 +112,7 @@ _apply.__name__ = "replicate"
 _registered_apply = composable_api(_Slot, _apply)
 
 
-def register_state(module: nn.Module, state: ReplicateState, set_up: Callable[[], None]) -> None:
+def register_state(module: nn.Module, state: Registered, set_up: Callable[[], None]) -> None:
     """Registers ``module`` with ``state`` in torch's registry and runs ``set_up``; all undone if it raises.
 
     Args:
@@ -142,8 +151,8 @@ def without_registry(namespace: dict[str, Any]) -> dict[str, Any]:
     return without_composable_api(namespace, _apply)
 
 
-def get_state(module: object) -> ReplicateState:
-    """Returns the state of a module that ``replicate()`` was applied to (or of the module ``module`` views).
+def get_state(module: object) -> Any:
+    """Returns the ``ReplicateState`` of a module that ``replicate()`` was applied to (or of the module it views).
 
     Raises:
         ValueError: if ``replicate()`` was not applied to ``module``.
@@ -156,8 +165,8 @@ def get_state(module: object) -> ReplicateState:
     return state
 
 
-def find_state(module: object) -> Optional[ReplicateState]:
-    """The state of ``module``, or None if ``replicate()`` was not applied to it.
+def find_state(module: object) -> Optional[Any]:
+    """The ``ReplicateState`` of ``module``, or None if ``replicate()`` was not applied to it.
 
     A replicated module's ``.module`` view ([Note: model.module] in
     core/unwrapped.py) shares its ``__dict__``, so its registry and state.
@@ -178,7 +187,7 @@ def record_view(module: object, view: object) -> None:
     slot.view = weakref.ref(view)
 
 
-def enclosing_state(module: object) -> Optional[ReplicateState]:
+def enclosing_state(module: object) -> Optional[Any]:
     """The state of a replicated module that contains ``module`` (walks each replicated tree)."""
     for other in list(_REPLICATED):
         if other is not module and any(m is module for m in other.modules()):

@@ -36,7 +36,7 @@ from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
 from torchreplicate.reducer.bucket import bucket_kind, make_slots
 from torchreplicate.reducer.collectives import verify_params_across_ranks
-from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor
+from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reducer import Reducer
@@ -63,6 +63,23 @@ def process_group(given: Optional[WeakGroup]) -> WeakGroup:
     world = dist.group.WORLD
     assert world is not None, "initialised above"
     return given or WeakGroup(world)
+
+
+def collective_device(group: dist.ProcessGroup, plan: Plan, device_id: Optional[torch.device]) -> torch.device:
+    """Where a module's own small collectives run (the cross-rank check, the token, Join's rounds).
+
+    NCCL's on the module's GPU: ``device_id``, else the GPU of a parameter or
+    buffer, and only where the module has none, the current device (without
+    ``torch.cuda.set_device`` every rank's current device is cuda:0). Other
+    backends: the device of the module's tensors.
+    """
+    tensors = [local(tensor) for tensor in (*plan.candidates, *plan.buffer_values())]
+    if dist.get_backend(group) == "nccl":
+        if device_id is not None and device_id.type == "cuda":
+            return device_id if device_id.index is not None else torch.device("cuda", torch.cuda.current_device())
+        on_gpu = [tensor.device for tensor in tensors if tensor.is_cuda]
+        return on_gpu[0] if on_gpu else torch.device("cuda", torch.cuda.current_device())
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def run_token(device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ registered directly, with no wrapper layers between.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from torchreplicate.torch_internals import (
     claimed_elsewhere,
     compiled_autograd_enabled,
     join_enabled,
+    tensors_in,
 )
 
 
@@ -78,6 +79,7 @@ class ReplicateState:
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
+        self.device = torch.device("cpu")  # where the module's own small collectives run (setup.py, per plan)
         # - Lifecycle: the module's one TrainingState, shared with every reducer
         #   it builds (they move it through a synchronised backward); this
         #   state's forward hooks, the tied holders and Join read it. Two
@@ -297,7 +299,8 @@ class ReplicateState:
         # planned as they materialise ([Note: lazy modules])
         self._handles += self.lazy.watch(self.module, self.mixed is not None, self._lazy_materialised)
         plan = self._plan_now()
-        token = setup.run_token(self.collective_device())
+        self.device = setup.collective_device(self.group, plan, self.config.device_id)
+        token = setup.run_token(self.device)
         buffers = plan.buffer_values() if self.buffer_sync.at_set_up else []  # as DDP's _sync_module_states
         self.install(plan, [local(p).detach() for p in plan.candidates] + buffers + [token], token)
 
@@ -357,7 +360,8 @@ class ReplicateState:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         group, watch = self.group, self.probe.watch
-        setup.agree(plan, group, self.collective_device(), self.config.wire_options, watch, to_broadcast)
+        self.device = setup.collective_device(group, plan, self.config.device_id)
+        setup.agree(plan, group, self.device, self.config.wire_options, watch, to_broadcast)
         if token is not None:
             watch = self.probe.watch = setup.start_watch(group, self.config.stall_timeout_s, token)
             if watch is not None:
@@ -391,14 +395,6 @@ class ReplicateState:
     def stamp(self) -> tuple[int, ...]:
         """What moves when the plan may have changed ([Note: re-planning])."""
         return (registrations.count, self._num_noted_changes, *claimed_elsewhere())
-
-    def collective_device(self) -> torch.device:
-        """Where this module's own small collectives run (the accelerator for NCCL)."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        for tensor in list(self.plan.candidates) + self.plan.buffer_values():
-            return local(tensor).device
-        return torch.device("cpu")
 
     # -- the forward hooks ----------------------------------------------------
 
@@ -468,8 +464,8 @@ class ReplicateState:
         reducer = self.reducer
         if reducer is None or not torch.is_grad_enabled():
             return output
-        for tensor in _tensors_in(output):
-            if tensor.requires_grad:
+        for tensor in tensors_in(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(_OutputGradHook(reducer))
         return output
 
@@ -497,14 +493,3 @@ class _OutputGradHook:
         if not torch.compiler.is_compiling():  # traced by compiled autograd: no callback ([Note: compiled autograd])
             self.reducer.queue_finalize()
         return grad  # not None: traced under compiled autograd, the return value is the gradient
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)

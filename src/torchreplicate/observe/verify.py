@@ -185,7 +185,7 @@ def verify_replicas(
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return ReplicaReport(len(entries), num_bytes, 1, ())
-    device = state.collective_device()
+    device = state.device
     description = repr([(e.kind, e.name, e.shape, str(e.dtype)) for e in entries])
     digests = [_digest_bytes(description.encode())] + [tensor_digest(e.tensor) for e in entries]
     mine = torch.tensor(digests, dtype=torch.int64, device=device)
