@@ -18,13 +18,13 @@ NOTE = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]]+)\]\s*$")
 
 
 def modules() -> list[str]:
-    """Every module of the package, as a path under src/torchreplicate (subpackages' empty __init__ left out)."""
+    """Every module of the package, as a path under src/torchreplicate; a subpackage by its folder."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if path.name == "__init__.py" and path.parent != PACKAGE and not path.read_text().strip().count("\n") > 10:
-            continue  # a subpackage's marker: its folder is what the layout names
-        found.append(relative)
+        found.append(
+            relative.removesuffix("__init__.py") if path.name == "__init__.py" and path.parent != PACKAGE else relative
+        )
     return found
 
 
@@ -49,9 +49,10 @@ def test_the_layout_names_every_module():
     block = layout_block()
     missing = []
     for module in modules():
-        folder, _, name = module.rpartition("/")
-        # the layout lists each file by its name under its folder, or by its path
-        if not re.search(rf"(?<![\w/]){re.escape(name)}\b", block) and module not in block:
+        folder, _, name = module.rstrip("/").rpartition("/")
+        # the layout lists a file by its name under its folder (or by its path), a subpackage as "name/"
+        named = f"{name}/" if module.endswith("/") else name
+        if not re.search(rf"(?<![\w/]){re.escape(named)}", block) and module not in block:
             missing.append(module)
         elif folder and f"{folder.split('/')[-1]}/" not in block:
             missing.append(f"{module} (its folder)")
