@@ -236,3 +236,12 @@ def ddp_on_top_error(what: str, wrapper: str, rank: int) -> RuntimeError:
         "(prepare_model, ReplicateAccelerator, ReplicateTrainer), or accelerator.prepare_model(model, "
         "evaluation_mode=True), which prepares the model without the DDP wrap"
     )
+
+
+def compiled_hook_error() -> RuntimeError:
+    """The error for a comm hook under compiled autograd (raised before the forward, on every rank)."""
+    return RuntimeError(
+        "replicate(): a comm hook cannot run under compiled autograd (the backward is one traced "
+        "graph: no futures, no per-bucket calls); turn torch._dynamo.config.compiled_autograd off, "
+        "or drop the hook (replicate(reduce_dtype=...) sends the gradients in a lower precision)"
+    )

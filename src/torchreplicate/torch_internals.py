@@ -360,6 +360,15 @@ def active_ddp_module() -> Any:
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
 
 
+def ddp_reduces_any(ddp: Any, params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``ddp`` (a ``DistributedDataParallel``) reduces any of ``params``: those its module holds
+    that its ``parameters_to_ignore`` (names, DDP's attribute) does not name. A replicated module run
+    by DDP would have those gradients averaged twice."""
+    ignored = getattr(ddp, "parameters_to_ignore", ())
+    reduced = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
+    return any(id(p) in reduced for p in params)
+
+
 def tensors_in(value: Any) -> list[Any]:
     """The leaves of a forward's output (lists, tuples, dicts, named tuples and the containers
     libraries register, such as transformers' ``ModelOutput``): ``torch.utils._pytree.tree_leaves``
@@ -367,3 +376,11 @@ def tensors_in(value: Any) -> list[Any]:
     from torch.utils._pytree import tree_leaves
 
     return tree_leaves(value)
+
+
+def moved_to(device: torch.device, value: Any) -> Any:
+    """``value`` with every tensor in it moved to ``device`` (``torch.utils._pytree.tree_map``, torch >= 2.0,
+    checked on 2.13): what DDP's ``device_ids`` does to a forward's inputs."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)

@@ -82,6 +82,22 @@ def collective_device(group: dist.ProcessGroup, plan: Plan, device_id: Optional[
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+def refuse_sparse_on(backend: str, plan: Plan) -> None:
+    """Refuses parameters with sparse gradients where ``backend`` cannot all-reduce them (NCCL).
+
+    Raises:
+        ValueError: on every rank (all plan alike), naming the parameters and the fix.
+    """
+    if backend != "nccl" or not plan.sparse:
+        return
+    names = [name for name, param in zip(plan.names, plan.params, strict=True) if id(param) in plan.sparse]
+    raise ValueError(
+        f"replicate(): {', '.join(repr(n) for n in names)} get sparse gradients (nn.Embedding(sparse=True)), "
+        "which NCCL cannot all-reduce; construct the embedding with sparse=False (its gradient then travels "
+        "dense, in the buckets), or replicate over a gloo process group"
+    )
+
+
 def run_token(device: torch.device) -> torch.Tensor:
     """Rank 0's random token, broadcast with everything at set-up: the watchdog's keys are fresh in
     every run (torchrun's store outlives restarts).

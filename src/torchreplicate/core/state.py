@@ -42,20 +42,22 @@ from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
 from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
-from torchreplicate.errors import ddp_on_top_error
+from torchreplicate.errors import compiled_hook_error, ddp_on_top_error
 from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup, compiled_hook_error
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     active_ddp_module,
     claimed_elsewhere,
     compiled_autograd_enabled,
+    ddp_reduces_any,
     join_enabled,
+    moved_to,
     tensors_in,
 )
 
@@ -80,6 +82,11 @@ class ReplicateState:
         self._given_group = None if process_group is None else WeakGroup(process_group)
         self._group: Optional[WeakGroup] = None  # resolved at init, held weakly
         self.device = torch.device("cpu")  # where the module's own small collectives run (setup.py, per plan)
+        # replicate(device_id=) an accelerator: inputs are moved there before each forward, as DDP's
+        # device_ids moves them; None: inputs stay where the caller put them
+        self.input_device = (
+            config.device_id if config.device_id is not None and config.device_id.type != "cpu" else None
+        )
         # - Lifecycle: the module's one TrainingState, shared with every reducer
         #   it builds (they move it through a synchronised backward); this
         #   state's forward hooks, the tied holders and Join read it. Two
@@ -361,6 +368,7 @@ class ReplicateState:
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
         group, watch = self.group, self.probe.watch
         self.device = setup.collective_device(group, plan, self.config.device_id)
+        setup.refuse_sparse_on(dist.get_backend(group), plan)
         setup.agree(plan, group, self.device, self.config.wire_options, watch, to_broadcast)
         if token is not None:
             watch = self.probe.watch = setup.start_watch(group, self.config.stall_timeout_s, token)
@@ -401,25 +409,19 @@ class ReplicateState:
     @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
-        # Before every forward of the root; returns cast inputs, or None to keep them.
-        if active_ddp_module() is not None:
-            self._refuse_ddp_on_top()
+        # Before every forward of the root; returns moved or cast inputs, or None to keep them.
+        ddp = active_ddp_module()
+        if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
+            raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
         if torch.is_grad_enabled() and not self.nested:
             self._sync_before_forward()
+        moved = None
+        if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
+            moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
         if self.mixed is None or self.nested:
-            return None
+            return moved
         cast = self.mixed.cast_inputs_of((args, kwargs))
-        return None if cast is None else (cast[0], cast[1])
-
-    def _refuse_ddp_on_top(self) -> None:
-        # DDP's forward runs this module: refused if DDP reduces any parameter
-        # of ours (every rank runs the same wrapper, so every rank raises here,
-        # before any collective of this forward).
-        ddp = active_ddp_module()
-        ignored = getattr(ddp, "parameters_to_ignore", ())
-        reduced = {id(p) for name, p in ddp.module.named_parameters() if name not in ignored}
-        if any(id(p) in reduced for p in self.params):
-            raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
+        return moved if cast is None else (cast[0], cast[1])
 
     def _sync_before_forward(self) -> None:
         # What every rank does together before a forward with gradients

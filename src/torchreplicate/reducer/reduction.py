@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence, cast
 import torch
 import torch.distributed as dist
 
-from torchreplicate.errors import complex_wire_error
+from torchreplicate.errors import compiled_hook_error, complex_wire_error
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
@@ -170,15 +170,6 @@ class Reduction:
     def shadow(self, num_flags: int) -> torch.Tensor:
         """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
         raise NotImplementedError
-
-
-def compiled_hook_error() -> RuntimeError:
-    """The error for a comm hook under compiled autograd (raised before the forward, on every rank)."""
-    return RuntimeError(
-        "replicate(): a comm hook cannot run under compiled autograd (the backward is one traced "
-        "graph: no futures, no per-bucket calls); turn torch._dynamo.config.compiled_autograd off, "
-        "or drop the hook (replicate(reduce_dtype=...) sends the gradients in a lower precision)"
-    )
 
 
 class AllReduce(Reduction):
@@ -406,8 +397,10 @@ class HookReduction(Reduction):
         return flags
 
     def launch(self, index: int) -> Any:
-        if index > 0:
-            self._previous.wait()  # [Note: hooks run one bucket at a time]
+        if index > 0:  # [Note: hooks run one bucket at a time]; a future done already is not waited on
+            done = getattr(self._previous, "done", None)  # duck-typed futures (torchft's) may lack it
+            if done is None or not done():
+                self._previous.wait()
         bucket = self._buckets[index]
         grad_bucket = self._grad_bucket(index, bucket.grads, bucket.views)
         future = self.hook(self.state, grad_bucket)

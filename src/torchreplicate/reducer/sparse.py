@@ -1,7 +1,8 @@
 """Parameters with sparse gradients (``nn.Embedding(sparse=True)``), reduced outside the buckets.
 
 A sparse gradient cannot live in a flat dense bucket. Each such parameter
-gets one sparse ``all_reduce`` (gloo and NCCL both support them) at the end
+gets one sparse ``all_reduce`` (gloo's; NCCL has none, so it is refused at
+``replicate()``: core/setup.py's ``refuse_sparse_on``) at the end
 of every synchronised backward, after the buckets, in parameter order on
 every rank; a rank without a gradient sends an empty sparse tensor. Whether
 a rank has one travels in the flags with everything else, so a parameter no

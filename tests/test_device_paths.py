@@ -1,0 +1,52 @@
+"""The accelerator paths that can be checked without one (issue 39): devices, inputs, sparse on NCCL.
+
+What needs a GPU is scripts/gpu_check.sh's; these pin the decisions the
+code makes before any kernel runs: where the module's own collectives go on
+NCCL, that inputs follow ``device_id`` as DDP's ``device_ids`` moves them,
+and that NCCL's missing sparse all-reduce is refused at ``replicate()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchreplicate.core import setup
+from torchreplicate.torch_internals import moved_to
+
+
+def plan_of(module: nn.Module) -> setup.Plan:
+    return setup.plan_tree(module, (), (), ())
+
+
+def test_sparse_gradients_are_refused_on_nccl_only():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    plan = plan_of(model)
+    with pytest.raises(ValueError, match=r"'0.weight' get sparse gradients .* NCCL cannot all-reduce.*sparse=False"):
+        setup.refuse_sparse_on("nccl", plan)
+    setup.refuse_sparse_on("gloo", plan)  # gloo reduces them (tests/test_patterns.py trains one)
+    setup.refuse_sparse_on("nccl", plan_of(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))))
+
+
+def test_nccl_collectives_run_on_the_modules_gpu_not_the_current_device(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    plan = plan_of(nn.Linear(4, 2))
+    # device_id names the GPU: never torch.cuda.current_device() (cuda:0 on every rank without set_device)
+    assert setup.collective_device(object(), plan, torch.device("cuda", 3)) == torch.device("cuda", 3)
+
+
+def test_other_backends_use_the_modules_device(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert setup.collective_device(object(), plan_of(nn.Linear(4, 2)), None) == torch.device("cpu")
+    meta = nn.Linear(4, 2, device="meta")
+    assert setup.collective_device(object(), plan_of(meta), None) == torch.device("meta")
+
+
+def test_inputs_follow_device_id_through_nested_containers():
+    x, y = torch.randn(2, 3), torch.randn(3)
+    args, kwargs = moved_to(torch.device("meta"), ((x, [y], "text", 3), {"mask": y, "flag": True}))
+    assert args[0].device.type == "meta" and args[1][0].device.type == "meta" and kwargs["mask"].device.type == "meta"
+    assert args[2:] == ("text", 3) and kwargs["flag"] is True
+    assert x.device.type == "cpu", "the caller's tensors are left where they were"
