@@ -50,3 +50,29 @@ def test_inputs_follow_device_id_through_nested_containers():
     assert args[0].device.type == "meta" and args[1][0].device.type == "meta" and kwargs["mask"].device.type == "meta"
     assert args[2:] == ("text", 3) and kwargs["flag"] is True
     assert x.device.type == "cpu", "the caller's tensors are left where they were"
+
+
+def forward_sees_moved_inputs(rank: int, world_size: int) -> str:
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.seen: list[str] = []
+
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+            self.seen += [x.device.type, mask.device.type]
+            return self.lin(torch.ones(1, 2))
+
+    from torchreplicate import replicate
+
+    model = replicate(Spy())
+    state = replicate.state(model)
+    assert state.input_device is None, "device_id unset (or the CPU): inputs stay where they are"
+    model(torch.zeros(1), mask=torch.zeros(1))
+    state.input_device = torch.device("meta")  # what replicate(device_id=<accelerator>) sets
+    model(torch.zeros(1), mask=torch.zeros(1))
+    return " ".join(model.seen)
+
+
+def test_the_forward_hook_moves_inputs_to_the_input_device(pools):
+    assert pools.run(1, forward_sees_moved_inputs) == ["cpu cpu meta meta"]

@@ -82,6 +82,19 @@ def collective_device(group: dist.ProcessGroup, plan: Plan, device_id: Optional[
     return tensors[0].device if tensors else torch.device("cpu")
 
 
+def refuse_unreducible(plan: Plan, group: dist.ProcessGroup, reduces: bool) -> None:
+    """Refuses a plan the group cannot reduce: a DTensor on the group's own mesh dimension, and (where a
+    reducer will run: ``reduces``) sparse gradients on NCCL. Runs before the state changes anything.
+
+    Raises:
+        ValueError: on every rank (every plan alike), naming the parameter and the fix.
+    """
+    for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
+        check_mesh_apart(name, param, group)
+    if reduces:
+        refuse_sparse_on(dist.get_backend(group), plan)
+
+
 def refuse_sparse_on(backend: str, plan: Plan) -> None:
     """Refuses parameters with sparse gradients where ``backend`` cannot all-reduce them (NCCL).
 
@@ -133,8 +146,6 @@ def agree(
     Raises:
         RuntimeError: on every rank, where ranks differ (naming the parameter or option).
     """
-    for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
-        check_mesh_apart(name, param, group)
     verify_params_across_ranks(plan.candidate_names, plan.candidates, group, device, options, waiter)
     if dist.get_world_size(group) > 1 and to_broadcast:
         broadcast_coalesced(to_broadcast, group, waiter=waiter)
@@ -185,6 +196,7 @@ def build_reducer(
     Raises:
         ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
+    refuse_sparse_on(dist.get_backend(group), plan)  # also where a comm hook asks for a reducer at world size 1
     learned = learned or Learned({}, 0)
     slots = make_slots(plan.params, plan.names, learned.expected)
     dense = [slot for slot in slots if id(slot.param) not in plan.sparse]

@@ -354,6 +354,9 @@ class ReplicateState:
         """Makes ``plan`` the state's: checks it across ranks, broadcasts ``to_broadcast`` from rank 0, builds its
         reducer, handed what the previous one learned. At ``replicate()``, ``token`` (broadcast too) keys the
         watchdog. The one place where what setup.py decides is assigned."""
+        group = self.group
+        reduces = bool(plan.params) and (dist.get_world_size(group) > 1 or isinstance(self.reduction, HookReduction))
+        setup.refuse_unreducible(plan, group, reduces)  # before anything changes: a refused plan leaves the old
         learned: Optional[Learned] = None
         self.drop_tied()
         if self.reducer is not None:
@@ -366,16 +369,15 @@ class ReplicateState:
         if self.mixed is not None:
             self.mixed.install(self.module, plan)
         self.clock.param_ids = frozenset(id(p) for p in plan.params)
-        group, watch = self.group, self.probe.watch
+        watch = self.probe.watch
         self.device = setup.collective_device(group, plan, self.config.device_id)
-        setup.refuse_sparse_on(dist.get_backend(group), plan)
         setup.agree(plan, group, self.device, self.config.wire_options, watch, to_broadcast)
         if token is not None:
             watch = self.probe.watch = setup.start_watch(group, self.config.stall_timeout_s, token)
             if watch is not None:
                 # released: a last note; at interpreter exit the watch's own hook says "exited" instead
                 weakref.finalize(self, watch.leave, "released its replica").atexit = False
-        if plan.params and (self.world_size > 1 or isinstance(self.reduction, HookReduction)):
+        if reduces:
             self.reducer = self.build_reducer(learned)
         self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
         self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe)

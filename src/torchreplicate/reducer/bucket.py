@@ -162,6 +162,7 @@ class Bucket:
         #   its gradients take on the way in (None: as they are)
         self.reduction: Optional[Communication] = None
         self.scale: Optional[torch.Tensor] = None
+        self.alpha = 1.0
         # - Per synchronised backward (reset). pending: slots still to reach their
         #   learned count before a hook may launch the bucket ([Note: when is a
         #   parameter ready]). A slot not seen yet has learned 0, so it never
@@ -176,10 +177,12 @@ class Bucket:
         """Number of gradient elements (the flags' room excluded)."""
         return self.grads.numel()
 
-    def bind(self, reduction: Communication, scale: Optional[torch.Tensor]) -> None:
-        """Binds the bucket to ``reduction`` (bound to this layout), with the scale it wants on the way in."""
+    def bind(self, reduction: Communication, scale: Optional[torch.Tensor], divide_factor: float) -> None:
+        """Binds the bucket to ``reduction`` (bound to this layout), with the scale it wants on the way in
+        (None: as they are) and its divisor (``set_divide_factor`` changes both)."""
         self.reduction = reduction
         self.scale = scale
+        self.alpha = 1.0 / divide_factor  # a further accumulation's factor: as add_(alpha=) always did
 
     def reset(self) -> None:
         """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
@@ -394,7 +397,7 @@ class ViewBucket(Bucket):
         elif self.scale is None:  # a further accumulation in this backward
             slot.view.add_(grad)  # type: ignore[arg-type]
         else:
-            slot.view.addcmul_(grad, self.scale)  # type: ignore[arg-type]  # bitwise add_(alpha=1/d) in fp32/64
+            slot.view.add_(grad, alpha=self.alpha)  # type: ignore[arg-type]
         param.grad = None
 
     def _detach(self) -> None:

@@ -415,6 +415,8 @@ class HookReduction(Reduction):
         return _HookCall(future, grad_bucket)
 
     def wait(self, index: int, handle: Any) -> None:
+        if index == len(self._buckets) - 1:
+            self._previous = None  # the step's last future: not kept, with its tensors, until the next step
         result = hook_result(handle.future.wait(), handle.grad_bucket)
         grads = real_parts(self._buckets[index].grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
