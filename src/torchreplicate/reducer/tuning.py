@@ -167,15 +167,28 @@ def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.dev
     for numel in sizes:
         scratch = torch.zeros(numel, dtype=dtype, device=device)
         dist.all_reduce(scratch, group=group)  # warm: connections, allocator
-        seconds = []
-        for _ in range(CALIBRATION_REPEATS):
-            start = time.perf_counter()
-            dist.all_reduce(scratch, group=group)
-            seconds.append(time.perf_counter() - start)
+        seconds = [_timed_all_reduce(scratch, group) for _ in range(CALIBRATION_REPEATS)]
         typical.append(sorted(seconds)[len(seconds) // 2])
     timings = torch.tensor(typical, dtype=torch.float64, device=device)
     dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
     return fit_link([numel * element for numel in sizes], timings.tolist())
+
+
+def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:
+    # Seconds one all-reduce of `scratch` takes. On a GPU the CPU only enqueues
+    # it (NCCL's wait orders the stream), so the transfer is timed by CUDA events
+    # on the current stream, which waits for it; the calibration is the one
+    # place a step synchronises with the host (the tuned opt-in, once).
+    if scratch.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(scratch, group=group)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1e3
+    started = time.perf_counter()
+    dist.all_reduce(scratch, group=group)
+    return time.perf_counter() - started
 
 
 class LayoutPolicy:
