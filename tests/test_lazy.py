@@ -105,3 +105,27 @@ def lazy_copied(rank: int, world_size: int) -> str:
 def test_a_deep_copy_of_an_unmaterialised_replica_runs_no_collective(pools):
     digests = pools.run(2, lazy_copied, timeout_s=180)
     assert digests[0] == digests[1], digests
+
+
+def lazy_saved(rank: int, world_size: int) -> str:
+    """torch.save / pickle of a replica whose lazy child is not materialised: a plain module, which trains alone."""
+    import io
+    import pickle
+
+    model = seeded(lazy_middle, 100 + rank)
+    replicate(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # raised TypeError: cannot pickle 'weakref.ReferenceType'
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(model))):
+        assert type(copy).__name__ == type(model).__name__ and not hasattr(copy, "register_comm_hook")
+        if rank == 0:
+            _loss(copy, data(rank, 0)).backward()  # materialises alone: no collective
+    _loss(model, data(rank, 0)).backward()
+    assert_replicas_identical(model, f"rank {rank} after the copies trained alone")
+    return digest(model)
+
+
+def test_a_saved_unmaterialised_replica_loads_as_a_plain_module(pools):
+    digests = pools.run(2, lazy_saved, timeout_s=180)
+    assert digests[0] == digests[1], digests

@@ -97,18 +97,32 @@ def _refuse_unsafe(is_root: bool, mixed: bool, name: str, module: nn.Module) -> 
         )
 
 
+class _Copied:
+    """What a deep copy or a pickle of a replicated model keeps of a lazy module's hook: a hook that does
+    nothing (the copy is a plain module, replicated by no one)."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        return None
+
+
 class _LazyWatch:
-    """Re-plans once its lazy module materialised, in a forward with gradients ([Note: lazy modules])."""
+    """Re-plans once its lazy module materialised, in a forward with gradients ([Note: lazy modules]).
+
+    A deep copy or a pickle of the model (``torch.save``) copies the lazy module's
+    hooks: each copies as a ``_Copied`` (a weak reference does not pickle).
+    """
 
     __slots__ = ("owner_ref", "method", "module_ref", "handle")
 
     def __init__(self, materialised: Callable[[nn.Module], None], module: nn.Module) -> None:
-        # the state's bound method, its owner held weakly (the state holds the handle: no cycle);
-        # a weakref.ref, not a WeakMethod: a deep copy of the model copies this hook, and a ref copies
+        # the state's bound method, its owner held weakly (the state holds the handle: no cycle)
         self.owner_ref = weakref.ref(materialised.__self__)  # type: ignore[attr-defined]
         self.method = materialised.__func__  # type: ignore[attr-defined]
         self.module_ref = weakref.ref(module)  # the watched module (a deep copy carries this hook too)
         self.handle: Optional[RemovableHandle] = None  # set right after registering
+
+    def __reduce__(self) -> tuple[type[_Copied], tuple[()]]:
+        return _Copied, ()
 
     @torch.compiler.disable  # eager: a re-plan runs collectives
     def __call__(self, module: nn.Module, args: Any) -> None:
