@@ -180,3 +180,38 @@ def test_schedule_follows_the_link():
     assert max(capped) <= 2, "no bucket over max_bytes"
     tiny = best_schedule([64 * 1024] * 64, [0.001 * i for i in range(64)], 0.064, 1e-5, 10e9, 64 * MiB, MiB)[0]
     assert all(length >= 16 for length in tiny[1:]), f"a bucket under min_bytes after the first: {tiny}"
+
+
+class _NoReduction:
+    # A bucket's reduction is only asked to launch and wait; these tests take gradients in.
+    def launch(self, index: int) -> None:
+        raise AssertionError("not launched in this test")
+
+    def wait(self, index: int, handle: object) -> None:
+        raise AssertionError("not launched in this test")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("divisor", [2.0, 3.0, 7.0])
+def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
+    """Two accumulations into one parameter in one backward (reentrant checkpointing): the slot holds
+    ``first * (1/d)`` then ``+ second`` with ``add_(alpha=1/d)``, bit for bit as before the bucket owned
+    its step (issue 37's review: a scale-tensor fold differed by an ulp in bf16/fp16 at 3 ranks)."""
+    from torch import nn
+
+    from torchreplicate.reducer.bucket import ViewBucket, make_slots
+
+    torch.manual_seed(0)
+    param = nn.Parameter(torch.zeros(1000, dtype=dtype))
+    (slot,) = make_slots([param], ["w"], {id(param): 2})
+    bucket = ViewBucket(0, [slot], dtype, torch.device("cpu"))
+    scale = torch.tensor(1.0 / divisor, dtype=torch.float32)
+    bucket.bind(_NoReduction(), scale, divisor)
+    first, second = torch.randn(1000, dtype=dtype), torch.randn(1000, dtype=dtype)
+    param.grad = first.clone()
+    assert not bucket.take(slot), "one of two accumulations: not ready yet"
+    param.grad = second.clone()  # the hook set .grad aside; the next accumulation lands fresh
+    assert bucket.take(slot), "both accumulations in: the bucket is ready"
+    expected = torch.mul(first, scale).add_(second, alpha=1.0 / divisor)
+    assert torch.equal(slot.view, expected), (dtype, divisor)
+    assert param.grad is None, "the view holds them until the bucket's average is restored"
