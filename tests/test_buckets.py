@@ -184,6 +184,9 @@ def test_schedule_follows_the_link():
 
 class _NoReduction:
     # A bucket's reduction is only asked to launch and wait; these tests take gradients in.
+    def __init__(self, divide_factor: float) -> None:
+        self.divide_factor = divide_factor
+
     def launch(self, index: int) -> None:
         raise AssertionError("not launched in this test")
 
@@ -206,7 +209,7 @@ def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
     (slot,) = make_slots([param], ["w"], {id(param): 2})
     bucket = ViewBucket(0, [slot], dtype, torch.device("cpu"))
     scale = torch.tensor(1.0 / divisor, dtype=torch.float32)
-    bucket.bind(_NoReduction(), scale, divisor)
+    bucket.bind(_NoReduction(divisor), scale)
     first, second = torch.randn(1000, dtype=dtype), torch.randn(1000, dtype=dtype)
     param.grad = first.clone()
     assert not bucket.take(slot), "one of two accumulations: not ready yet"

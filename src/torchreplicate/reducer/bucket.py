@@ -115,6 +115,8 @@ LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived aft
 class Communication(Protocol):
     """What a bucket asks of its reduction (reduction.py's ``Reduction``, bound to the bucket layout)."""
 
+    divide_factor: float  # the divisor of the sum (``set_divide_factor`` changes it)
+
     def launch(self, index: int) -> Any:
         """Starts reducing bucket ``index``'s gradients; returns the handle ``wait`` takes."""
 
@@ -162,7 +164,6 @@ class Bucket:
         #   its gradients take on the way in (None: as they are)
         self.reduction: Optional[Communication] = None
         self.scale: Optional[torch.Tensor] = None
-        self.alpha = 1.0
         # - Per synchronised backward (reset). pending: slots still to reach their
         #   learned count before a hook may launch the bucket ([Note: when is a
         #   parameter ready]). A slot not seen yet has learned 0, so it never
@@ -177,12 +178,11 @@ class Bucket:
         """Number of gradient elements (the flags' room excluded)."""
         return self.grads.numel()
 
-    def bind(self, reduction: Communication, scale: Optional[torch.Tensor], divide_factor: float) -> None:
+    def bind(self, reduction: Communication, scale: Optional[torch.Tensor]) -> None:
         """Binds the bucket to ``reduction`` (bound to this layout), with the scale it wants on the way in
-        (None: as they are) and its divisor (``set_divide_factor`` changes both)."""
+        (None: as they are; a tensor the reduction changes in place with its divisor)."""
         self.reduction = reduction
         self.scale = scale
-        self.alpha = 1.0 / divide_factor  # a further accumulation's factor: as add_(alpha=) always did
 
     def reset(self) -> None:
         """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
@@ -193,15 +193,6 @@ class Bucket:
             slot.fired = 0
             slot.absorbed = False
             slot.held = None
-
-    def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` (shaped like ``grads``) cut into one view per slot, each shaped like its gradient."""
-        views, offset = [], 0
-        for slot in self.slots:
-            numel = slot.view.numel()
-            views.append(flat[offset : offset + numel].view_as(slot.view))
-            offset += numel
-        return views
 
     # -- one synchronised backward ------------------------------------------
 
@@ -246,9 +237,8 @@ class Bucket:
         if from_hook:
             self._detach()
         scale = self.scale
-        if (
-            scale is not None
-        ):  # the slots filled in place are scaled now ([Note: the mean is taken on the way in] in reduction.py)
+        # the slots filled in place are scaled now ([Note: the mean is taken on the way in] in reduction.py)
+        if scale is not None:
             done = sum([slot.absorbed for slot in self.slots])
             if done == 0:
                 self.grads.mul_(scale)
@@ -397,7 +387,8 @@ class ViewBucket(Bucket):
         elif self.scale is None:  # a further accumulation in this backward
             slot.view.add_(grad)  # type: ignore[arg-type]
         else:
-            slot.view.add_(grad, alpha=self.alpha)  # type: ignore[arg-type]
+            # the divisor as a Python float, as before the bucket owned the step: bitwise in bf16/fp16 too
+            slot.view.add_(grad, alpha=1.0 / self.reduction.divide_factor)  # type: ignore[arg-type,union-attr]
         param.grad = None
 
     def _detach(self) -> None:

@@ -195,10 +195,7 @@ class Reducer:
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """The divisor of the sum from now on (a Join: the ranks still training); None: the default."""
-        reduction = self.reduction
-        reduction.set_divide_factor(divide_factor)  # the scales, shared with the buckets, change in place
-        for bucket in self.buckets:
-            bucket.bind(reduction, reduction.scale(bucket.index), reduction.divide_factor)
+        self.reduction.set_divide_factor(divide_factor)  # the scales, shared with the buckets, change in place
 
     # -- set-up ----------------------------------------------------------------
 
@@ -228,7 +225,7 @@ class Reducer:
         tensors = [BucketTensors(b.buffer, b.numel, b.params, b.views, [s.name for s in b.slots]) for b in buckets]
         tail = reduction.bind(tensors, num_flags(len(self.slots)), self._group, self.probe.watch)
         for bucket in buckets:
-            bucket.bind(reduction, reduction.scale(bucket.index), reduction.divide_factor)
+            bucket.bind(reduction, reduction.scale(bucket.index))
         self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
         self._wire_bytes = reduction.wire_bytes() + self.tied_rows.mask_bytes()

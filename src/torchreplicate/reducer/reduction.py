@@ -115,6 +115,15 @@ def all_reduce(
     return None
 
 
+def views_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` (shaped like a bucket's gradients) cut as the bucket's ``views`` cut its buffer, each shaped alike."""
+    pieces, offset = [], 0
+    for view in views:
+        pieces.append(flat[offset : offset + view.numel()].view_as(view))
+        offset += view.numel()
+    return pieces
+
+
 class Reduction:
     """The interface: how a bucket's gradients travel and become their average.
 
@@ -385,10 +394,7 @@ class HookReduction(Reduction):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            offsets = [0]
-            for view in bucket.views:
-                offsets.append(offsets[-1] + view.numel())
-            views = [zeros[a:b].view_as(v) for a, b, v in zip(offsets, offsets[1:], bucket.views, strict=True)]
+            views = views_like(zeros, bucket.views)
             future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()

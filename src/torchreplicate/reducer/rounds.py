@@ -24,7 +24,7 @@ from torchreplicate.reducer.bucket import Bucket
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe
-from torchreplicate.reducer.reduction import all_reduce
+from torchreplicate.reducer.reduction import all_reduce, views_like
 
 
 class RoundInputs(NamedTuple):
@@ -80,7 +80,7 @@ class LateRound:
             probe.late_round(True, end.step)
             for bucket in end.buckets:
                 extra = torch.zeros_like(bucket.grads)
-                pieces = bucket.views_of(extra)
+                pieces = views_like(extra, bucket.views)
                 for slot, piece in zip(bucket.slots, pieces, strict=True):
                     if slot.index in end.late_grads:
                         piece.copy_(end.late_grads[slot.index])
