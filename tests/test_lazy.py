@@ -88,44 +88,36 @@ def test_an_unsafe_lazy_module_is_refused_naming_the_fix(pools, case, wanted):
         assert message.startswith(wanted) and "run one forward first" in message, f"rank {rank}: {message}"
 
 
-def lazy_copied(rank: int, world_size: int) -> str:
-    """A deep copy taken before the first forward is a plain module: it materialises alone, no collective."""
+def copied(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    """``model`` copied by deepcopy, torch.save + torch.load, or pickle."""
     import copy
-
-    model = seeded(lazy_middle, 100 + rank)
-    replicate(model)
-    twin = copy.deepcopy(model)
-    if rank == 0:
-        _loss(twin, data(rank, 0)).backward()  # one rank only: a collective here would hang
-    _loss(model, data(rank, 0)).backward()
-    assert_replicas_identical(model, f"rank {rank} after the copy trained alone")
-    return digest(model)
-
-
-def test_a_deep_copy_of_an_unmaterialised_replica_runs_no_collective(pools):
-    digests = pools.run(2, lazy_copied, timeout_s=180)
-    assert digests[0] == digests[1], digests
-
-
-def lazy_saved(rank: int, world_size: int) -> str:
-    """torch.save / pickle of a replica whose lazy child is not materialised: a plain module, which trains alone."""
     import io
     import pickle
 
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(model))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # raised TypeError: cannot pickle 'weakref.ReferenceType' (the lazy child's hook)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def lazy_copied(rank: int, world_size: int, how: str) -> str:
+    """A copy taken before the first forward is a plain module: it materialises alone, no collective."""
     model = seeded(lazy_middle, 100 + rank)
     replicate(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)  # raised TypeError: cannot pickle 'weakref.ReferenceType'
-    buffer.seek(0)
-    for copy in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(model))):
-        assert type(copy).__name__ == type(model).__name__ and not hasattr(copy, "register_comm_hook")
-        if rank == 0:
-            _loss(copy, data(rank, 0)).backward()  # materialises alone: no collective
+    twin = copied(model, how)
+    assert type(twin).__name__ == type(model).__name__ and not hasattr(twin, "register_comm_hook"), how
+    if rank == 0:
+        _loss(twin, data(rank, 0)).backward()  # one rank only: a collective here would hang
     _loss(model, data(rank, 0)).backward()
-    assert_replicas_identical(model, f"rank {rank} after the copies trained alone")
+    assert_replicas_identical(model, f"rank {rank} after the {how} copy trained alone")
     return digest(model)
 
 
-def test_a_saved_unmaterialised_replica_loads_as_a_plain_module(pools):
-    digests = pools.run(2, lazy_saved, timeout_s=180)
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "pickle"])
+def test_a_copy_of_an_unmaterialised_replica_is_a_plain_module_and_runs_no_collective(pools, how):
+    digests = pools.run(2, lazy_copied, how, timeout_s=180)
     assert digests[0] == digests[1], digests
