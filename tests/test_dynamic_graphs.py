@@ -8,6 +8,7 @@ the gradient replicate() must produce on every rank.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple, Optional
 
 import pytest
@@ -110,6 +111,7 @@ def reused_rank_dependent(model, rank, world_size, step):
 class GraphCase(NamedTuple):
     build: Callable[[], nn.Module]
     loss_of: Callable[..., torch.Tensor]  # (model, rank, world_size, step) -> this rank's loss
+    grows: bool = False  # a gradient arrives more often than in the first step: needs graph="dynamic"
 
 
 CASES = {
@@ -122,9 +124,9 @@ CASES = {
     "called_twice": GraphCase(lambda: Reused(None), reused_static),
     "checkpoint_reentrant": GraphCase(lambda: Reused(True), reused_static),
     "checkpoint_non_reentrant": GraphCase(lambda: Reused(False), reused_static),
-    "checkpoint_reentrant_growing": GraphCase(lambda: Reused(True), reused_growing),
+    "checkpoint_reentrant_growing": GraphCase(lambda: Reused(True), reused_growing, grows=True),
     "checkpoint_non_reentrant_growing": GraphCase(lambda: Reused(False), reused_growing),
-    "checkpoint_reentrant_by_rank": GraphCase(lambda: Reused(True), reused_rank_dependent),
+    "checkpoint_reentrant_by_rank": GraphCase(lambda: Reused(True), reused_rank_dependent, grows=True),
     "other_method_checkpointed": GraphCase(lambda: Reused(True), other_method_checkpointed),
 }
 
@@ -136,10 +138,10 @@ def train_case(
 
     Returns, by step, the parameters whose ``.grad`` was None after backward.
     """
-    build, loss_of = CASES[case]
+    build, loss_of, grows = CASES[case]
     model = seeded(build, 7 + rank)
     reference = seeded(build, 7)
-    replicate(model, **(options or {}))
+    replicate(model, **({"graph": "dynamic"} if grows else {}), **(options or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.5)
     none_grads = []
@@ -167,6 +169,40 @@ def test_case_matches_reference(pools, case, world_size):
 @pytest.mark.parametrize("as_view", [True, False])
 def test_case_with_tiny_buckets(pools, case, as_view):
     pools.run(2, train_case, case, options=dict(TINY, gradient_as_bucket_view=as_view))
+
+
+def grown_after_learning(rank: int, world_size: int) -> list[str]:
+    """The reentrant case whose shared layer is used once, then twice, at the default graph="learned"."""
+    model = replicate(seeded(lambda: Reused(True), 7 + rank), **TINY)
+    reference = seeded(lambda: Reused(True), 7)
+    seen = []
+    for step in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                reused_growing(model, rank, world_size, step).backward()
+            except RuntimeError as error:
+                return [*seen, f"step {step} raised: {error}"]
+        seen += [f"step {step} warned: {w.message}" for w in caught if "arrived after its bucket" in str(w.message)]
+        total = sum(reused_growing(reference, r, world_size, step) for r in range(world_size)) / world_size
+        total.backward()
+        if step == 0:  # the learning step: exact
+            assert_grads_match(model, reference, f"rank {rank} step 0")
+        model.zero_grad()
+        reference.zero_grad()
+    return seen
+
+
+def test_a_gradient_beyond_the_learned_count_raises_on_every_rank_a_step_late(pools):
+    # graph="learned" reads the flags a step late ([Note: flags read a step late] in
+    # flags.py): step 1's late gradient is not reduced; the rank that had it warns at
+    # once, and every rank raises at the end of step 2, naming step 1 and the fix.
+    for rank, seen in enumerate(pools.run(2, grown_after_learning)):
+        assert len(seen) == 2, seen
+        assert seen[0].startswith("step 1 warned: replicate(): synchronised backward 1: the gradient of '"), seen
+        assert "'shared.weight'" in seen[0], seen[0]
+        assert seen[1].startswith(f"step 2 raised: replicate(): rank {rank}: synchronised backward 1: on 2 rank(s)")
+        assert "here: '" in seen[1] and "'shared.weight'" in seen[1] and 'graph="dynamic"' in seen[1], seen[1]
 
 
 def test_never_used_parameter_keeps_none(pools):

@@ -238,7 +238,7 @@ def traced_late_and_failing(rank: int, world_size: int, folder: str) -> LateResu
     # A layer reused inside reentrant checkpoints more often than learned: a
     # gradient comes after its bucket left, so a late round runs ([Note: one
     # collective sequence] in reducer.py). Then a block that raises on every rank.
-    model = replicate(seeded(lambda: Reused(True), 3), **TINY)
+    model = replicate(seeded(lambda: Reused(True), 3), graph="dynamic", **TINY)
     records: list = []
     timeline.subscribe(model, records.append)
     with torchreplicate.trace(os.path.join(folder, "late.json"), model=model, plot=False) as tracer:

@@ -194,6 +194,7 @@ def replicate(
     bucket_cap_mb: Optional[float] = None,
     first_bucket_cap_mb: float = 1,
     bucket_layout: str = "learned",
+    graph: str = "learned",
     gradient_as_bucket_view: bool = True,
     broadcast_buffers: Optional[bool] = None,
     find_unused_parameters: bool = False,
@@ -246,6 +247,16 @@ def replicate(
             decide which gradients are summed together, so a rerun can differ in the last bits.
             Refused under ``torch.use_deterministic_algorithms(True)`` (a warning with
             ``warn_only=True``). See tuning.py's [Note: tuning].
+        graph: ``"learned"`` (default): the first synchronised step learns how
+            often each parameter's gradient arrives; later steps read the
+            summed flags one step late, so a step makes no host read (on a
+            GPU, no synchronisation); a desync is then named one step later,
+            and a gradient arriving more often than learned, after its bucket
+            left, raises at the next step instead of being reduced.
+            ``"dynamic"``: the flags are read at the end of every step (one
+            host read per step), and such gradients are reduced by a late
+            round at any step. Unused parameters work either way. See
+            flags.py's [Note: flags read a step late].
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
             saving one copy of the gradients in memory. Default True.
         broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm
@@ -306,6 +317,7 @@ def replicate(
         bucket_cap_mb=options["bucket_cap_mb"],
         first_bucket_cap_mb=first_bucket_cap_mb,
         bucket_layout=bucket_layout,
+        graph=graph,
         gradient_as_bucket_view=gradient_as_bucket_view,
         broadcast_buffers=broadcast,
         init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],

@@ -22,6 +22,7 @@ from torchreplicate.seed_contract import (
 )
 
 BUCKET_LAYOUTS = ("learned", "fixed", "tuned")  # replicate(bucket_layout=...): see ReplicateConfig
+GRAPHS = ("learned", "dynamic")  # replicate(graph=...): [Note: flags read a step late] in reducer/flags.py
 MiB = 1024 * 1024
 DDP_DEFAULT_CAP_MB = 25  # DDP's bucket_cap_mb default, ours unless bucket_layout="tuned" measures the link
 
@@ -43,6 +44,7 @@ class ReplicateConfig:
     bucket_cap_mb: Optional[float] = None  # None: DDP's 25 MiB, or chosen from timings when "tuned"
     bucket_layout: str = "learned"  # "fixed": never rebuilt; "tuned": from timings ([Note: tuning])
     first_bucket_cap_mb: float = 1.0
+    graph: str = "learned"  # "dynamic": the flags are read at the end of every step
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool = True  # before forwards (DDP's forward_sync_buffers); core/buffers.py
     init_sync_buffers: bool = True  # at set-up: False only for broadcast_buffers=False alone, as DDP
@@ -80,6 +82,7 @@ class ReplicateConfig:
         return {
             "bucket_cap_mb": str(self.bucket_cap_mb),
             "bucket_layout": self.bucket_layout,
+            "graph": self.graph,
             "first_bucket_cap_mb": str(self.first_bucket_cap_mb),
             "reduce_dtype": str(self.wire_dtype),
             "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
@@ -114,6 +117,13 @@ class ReplicateConfig:
                 '"fixed" keeps them in reverse registration order at the caps given (the same on a replica '
                 'that joins later), "tuned" also chooses their sizes from measured timings (faster on a slow '
                 "link, not reproducible bit for bit)"
+            )
+        if self.graph not in GRAPHS:
+            raise ValueError(
+                f"replicate(): graph must be one of {', '.join(map(repr, GRAPHS))}, got {self.graph!r}; "
+                '"learned" (the default) learns in the first step how often each gradient arrives and reads '
+                'the summed flags a step late (no host read in a step), "dynamic" reads them at the end of '
+                "every step, for graphs whose gradients arrive more often than in the first step"
             )
         if self.bucket_layout == "fixed" and self.bucket_cap_mb is None:
             raise ValueError(

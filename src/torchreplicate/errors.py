@@ -103,6 +103,44 @@ def desync_error(
     return RuntimeError(format_desync(reports, mine.rank, backward, clocks_agree))
 
 
+def _some(names: Sequence[str], at_most: int = 4) -> str:
+    # Distinct parameter names, the first few quoted: "'a', 'b' and 3 more".
+    distinct = list(dict.fromkeys(names))
+    more = f" and {len(distinct) - at_most} more" if len(distinct) > at_most else ""
+    return ", ".join(map(repr, distinct[:at_most])) + more
+
+
+def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequence[str]) -> RuntimeError:
+    """The error every rank raises a step after a gradient came late under ``graph="learned"``.
+
+    Args:
+        rank: this rank.
+        step: the synchronised step that had the late gradients.
+        late_ranks: how many ranks had one.
+        late_params: the parameters that had one on this rank (none: another rank's).
+    """
+    here = f"here: {_some(late_params)}" if late_params else "none here"
+    return RuntimeError(
+        f"replicate(): rank {rank}: synchronised backward {step}: on {late_ranks} rank(s) a gradient arrived "
+        f"after its bucket was reduced ({here}), more often than in the step the reducer learned from, so "
+        'that step\'s average missed it; the graph changed. Pass replicate(..., graph="dynamic") to reduce '
+        "such gradients at any step (the summed flags are then read at the end of every step), or keep "
+        "the number of times each parameter's gradient is accumulated per backward the same at every step"
+    )
+
+
+def warn_late_unreduced(step: int, late_params: Sequence[str]) -> None:
+    """Warns, on the rank that had it, that a late gradient is missing from the average (``graph="learned"``)."""
+    warnings.warn(
+        f"replicate(): synchronised backward {step}: the gradient of {_some(late_params)} "
+        "arrived after its bucket was reduced, more often than in the step the reducer learned from; this "
+        'step\'s average misses it, and every rank raises at the end of the next step (graph="dynamic" '
+        "reduces such gradients)",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def format_desync(reports: Sequence[DesyncReport], this_rank: int, backward: int, clocks_agree: bool) -> str:
     """Explains a desync ([Note: desync detection] in flags.py), naming the ranks.
 

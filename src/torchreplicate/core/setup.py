@@ -221,6 +221,7 @@ def build_reducer(
         clock=clock,
         probe=probe,
         num_steps=learned.num_steps,
+        read_every_step=config.graph == "dynamic",
     )
 
 

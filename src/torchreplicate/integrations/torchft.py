@@ -30,7 +30,8 @@ builds the same buckets as its peers without agreeing on anything.
 Limits (docs/torchft.md): one process per replica group; the same graph on
 every replica (a parameter unused on one replica only gets that replica's
 zeros averaged in, as with torchft's DDP; a gradient that arrives after its
-bucket left is reduced within the process only); no other comm hook, no
+bucket left, more often than in the first step, raises at the next step, as
+at ``replicate()``'s default ``graph="learned"``); no other comm hook, no
 ``Join``, no compiled autograd; buffers (BatchNorm statistics) are not
 averaged across replica groups, only healed.
 """

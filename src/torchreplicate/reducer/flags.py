@@ -26,13 +26,43 @@ differ legitimately: a joined rank shadows steps it does not take. Its end
 is an agreed point (every rank runs ``post_hook``), where every clock is
 re-based to the highest (``TrainingClock.catch_up``): the joined rank counts
 the steps it shadowed, and the check stays armed for what follows.
+
+[Note: flags read a step late]
+Reading the sums is a host read: on a GPU, the CPU stops queueing work (the
+optimizer step, the next forward) until the last all-reduce is done. So, at
+the default ``graph="learned"``, only the first synchronised step of each
+reducer (the step that learns how often each parameter's gradient arrives)
+reads them at its end. Every later step copies its sums to host memory
+without waiting (``StagedSums.stage``: a non-blocking copy into pinned memory
+and an event, on an accelerator) and reads them at the end of the next
+synchronised step, after that step's own collectives (``StagedSums.take``,
+through a NumPy view of the host copy: by then the event, one step old, has
+long completed, so the wait it makes, if any, leaves the accelerator busy).
+What a user sees change:
+
+- a desync is named one synchronised step later, on every rank (the same
+  step on every rank, after collectives that still pair one by one);
+- no late round: a gradient beyond the learned count that arrives after its
+  bucket left (the graph changed) is not reduced; the next step raises on
+  every rank, naming the step and (on the ranks that had one) the
+  parameter, with the fix: ``replicate(..., graph="dynamic")``, which reads
+  the sums at the end of every step as before (one host read per step);
+- what needs no other rank stays at once: a rank holding no gradient for a
+  parameter reads that parameter's count before ``.grad`` is set (so a
+  parameter no rank used keeps ``grad=None``), as DDP does with
+  ``find_unused_parameters=True``.
+
+The decision is the same on every rank (the option is agreed at set-up and
+the step count is), so the collective sequence stays one, also for a rank
+that joined (``Reducer.shadow_step``). The sums of the last step before a
+re-plan or the end of training are not read.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -152,6 +182,72 @@ def residues_agree(sums: Sequence[float]) -> bool:
     return True
 
 
+_STAGED_WIDTH = 1 + 2 * _RESIDUE_WIDTH  # what a step late reads: the late flag, then both residue blocks
+
+
+class Staged(NamedTuple):
+    """A step's summed flags, read at the end of the next step ([Note: flags read a step late]).
+
+    Attributes:
+        step: the synchronised step they summed.
+        late_ranks: how many ranks had a gradient arrive after its bucket left.
+        clocks_agree / layouts_agree: as ``FlagSums``'.
+        clock: this rank's training clock when it wrote them.
+        late_params: the parameters whose gradient came late on this rank.
+    """
+
+    step: int
+    late_ranks: int
+    clocks_agree: bool
+    layouts_agree: bool
+    clock: int
+    late_params: tuple[str, ...]
+
+
+class StagedSums:
+    """One reducer's host copy of a step's summed flags, read a step late ([Note: flags read a step late]).
+
+    Args:
+        device: where the flags travel; on an accelerator, the host copy is
+            pinned and made without waiting, with an event that says when it landed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        accelerated = device.type != "cpu"
+        self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated)
+        self.values = self.host.numpy()  # read as host memory: no tensor read in a step
+        self.on_device = torch.zeros_like(self.host, device=device) if accelerated else self.host
+        self.event: Optional[torch.Event] = torch.Event(device) if accelerated else None
+        self.step = -1  # the step staged; -1: none
+        self.clock = 0
+        self.late_params: tuple[str, ...] = ()
+
+    def stage(self, rest: torch.Tensor, step: int, clock: int, late_params: Sequence[str]) -> None:
+        """Copies the summed late flag and residues (``rest``) to the host, without waiting."""
+        self.on_device.copy_(rest)
+        if self.event is not None:
+            self.host.copy_(self.on_device, non_blocking=True)
+            self.event.record()
+        self.step, self.clock, self.late_params = step, clock, tuple(late_params)
+
+    def take(self) -> Optional[Staged]:
+        """The sums staged one step ago, once (None: nothing staged)."""
+        if self.step < 0:
+            return None
+        if self.event is not None:
+            self.event.synchronize()  # recorded a step ago: done, unless the device runs a step behind
+        values = self.values.tolist()
+        step, self.step = self.step, -1
+        return Staged(
+            step,
+            round(values[0]),
+            residues_agree(values[1 : 1 + _RESIDUE_WIDTH]),
+            residues_agree(values[1 + _RESIDUE_WIDTH :]),
+            self.clock,
+            self.late_params,
+        )
+
+
 class StepFlags:
     """Writes this rank's flags into ``tail`` and reads the sums back.
 
@@ -197,14 +293,22 @@ class StepFlags:
             tail[self.num_params] = 1
 
     def read(self, unused_here: Sequence[int]) -> FlagSums:
-        """Reads the summed flags (after the all-reduce)."""
-        tail = self.tail
-        n = self.num_params
-        rest = tail[n:].tolist()  # one transfer: late flag, then both residue blocks
+        """Reads the summed flags (after the all-reduce), at the end of the step."""
+        rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
         clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
         layouts_agree = residues_agree(rest[1 + _RESIDUE_WIDTH :])
-        unused_everywhere: frozenset[int] = frozenset()
-        if unused_here:  # used here means used somewhere
-            counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
-            unused_everywhere = frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)
-        return FlagSums(unused_everywhere, rest[0] > 0, clocks_agree, layouts_agree)
+        return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0, clocks_agree, layouts_agree)
+
+    def stage(self, staged: StagedSums, step: int, unused_here: Sequence[int], late_params: Sequence[str]) -> FlagSums:
+        """Stages the sums for the next step's end; returns what this step needs now, the parameters
+        no rank used (read only where this rank used none: [Note: flags read a step late])."""
+        staged.stage(self.tail[self.num_params :], step, self.clock.steps, late_params)
+        return FlagSums(self.unused_everywhere(unused_here), any_late=False)
+
+    def unused_everywhere(self, unused_here: Sequence[int]) -> frozenset[int]:
+        """Of ``unused_here`` (this rank holds no gradient for them), those no rank used."""
+        if not unused_here:  # used here means used somewhere
+            return frozenset()
+        tail = self.tail
+        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
+        return frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)

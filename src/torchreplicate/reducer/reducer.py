@@ -61,8 +61,10 @@ from torchreplicate.errors import (
     changed_since_plan,
     desync_error,
     foreign_hook_error,
+    late_after_learning,
     raise_with_place,
     warn_backward_raised,
+    warn_late_unreduced,
     warn_create_graph,
 )
 from torchreplicate.reducer import tuning
@@ -74,7 +76,7 @@ from torchreplicate.reducer.bucket import (
     step_in_backward_optimizers,
 )
 from torchreplicate.reducer.collectives import is_transport_error
-from torchreplicate.reducer.flags import FlagSums, StepFlags, TrainingClock, num_flags, real_view
+from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, num_flags, real_view
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
 from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
@@ -106,6 +108,8 @@ class Reducer:
         clock: the module's training clock (sent with the flags).
         probe: the module's probe (probe.py): watchdog, observer, profiler labels.
         num_steps: synchronised backwards the module's earlier reducers completed (a re-plan).
+        read_every_step: read the summed flags at the end of every step (``graph="dynamic"``);
+            else from the second step on, a step late ([Note: flags read a step late] in flags.py).
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class Reducer:
         clock: TrainingClock,
         probe: Probe,
         num_steps: int = 0,
+        read_every_step: bool = False,
     ) -> None:
         # - Configuration, fixed for the reducer's life
         self.slots = list(slots)
@@ -144,10 +149,12 @@ class Reducer:
         self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
         self.num_steps = num_steps  # synchronised backwards completed
+        self.first_step = None if read_every_step else num_steps  # the one step read at once; None: every
+        self.staged = StagedSums(self.slots[0].param.device)  # the last step's sums, read at this one's end
         self._info: Optional[ReducerInfo] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
         self.num_launched = 0  # buckets launched so far; always a prefix of the index order
-        self.late = False  # a gradient arrived after its bucket was launched
+        self.late: list[str] = []  # the parameters whose gradient arrived after their bucket was launched
         self.grew = False  # some parameter fired more often than learned so far
         self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
         self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
@@ -296,7 +303,7 @@ class Reducer:
         if bucket.take(slot):
             self._launch_ready()
         elif bucket.launched:
-            self.late = True  # the fresh .grad is reduced by the late round
+            self.late.append(slot.name)  # the fresh .grad is reduced by the late round, if any
         if slot.fired > slot.expected:
             self.grew = True  # a count to learn at the end of the step
             if slot.fired == 1 and not self.layout_policy.learned:
@@ -376,7 +383,7 @@ class Reducer:
         for bucket in buckets[self.num_launched :]:
             unused_here += bucket.fill()
             if bucket is buckets[-1]:
-                self.flags.write(unused_here, self.late)
+                self.flags.write(unused_here, bool(self.late))
             self._launch(bucket, False)
         for bucket in buckets:
             with probe.waiting(bucket.index, bucket.description, num_steps):
@@ -387,11 +394,33 @@ class Reducer:
         if self.reduction.flags_apart:  # else they came back with the last bucket
             probe.at("the flags' all-reduce", num_steps)
             self.reduction.reduce_flags()
+        self._read_staged()
+        if not self.reads_now:
+            if self.late:
+                warn_late_unreduced(num_steps, self.late)
+            return self.flags.stage(self.staged, num_steps, unused_here, self.late)
         sums = self.flags.read(unused_here)
         if not (sums.clocks_agree and sums.layouts_agree):
             digest = layout_digest(buckets, self.sparse.slots)
             raise desync_error(self.group, self.flags.clock.steps, digest, num_steps, sums.clocks_agree)
         return sums
+
+    @property
+    def reads_now(self) -> bool:
+        """Whether this step reads the summed flags at its end, else a step late ([Note: flags read a step late])."""
+        return self.first_step is None or self.num_steps == self.first_step
+
+    def _read_staged(self) -> None:
+        # The sums the last step staged ([Note: flags read a step late]): read
+        # after this step's collectives, so every rank raises at the same point.
+        staged = self.staged.take()
+        if staged is None:
+            return
+        if not (staged.clocks_agree and staged.layouts_agree):
+            digest = layout_digest(self.buckets, self.sparse.slots)
+            raise desync_error(self.group, staged.clock, digest, staged.step, staged.clocks_agree)
+        if staged.late_ranks:
+            raise late_after_learning(dist.get_rank(self.group), staged.step, staged.late_ranks, staged.late_params)
 
     def finalize_raised_backward(self) -> None:
         """Ends the last synchronised backward if it raised before its end ran ([Note: a backward that raised]).
@@ -417,7 +446,12 @@ class Reducer:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         flags = real_view(self.reduction.shadow(num_flags(len(self.slots))))
-        any_late = flags[len(self.slots)].item() > 0  # the training ranks' late flag
+        self._read_staged()
+        any_late = False  # the training ranks' late flag, read now or a step late
+        if self.reads_now:
+            any_late = flags[len(self.slots)].item() > 0
+        else:
+            self.staged.stage(flags[len(self.slots) :], self.num_steps, self._clock.steps, ())
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(inputs)
@@ -427,7 +461,7 @@ class Reducer:
     def _new_step(self) -> None:
         # The one reset at a step's end: the reducer's part and each bucket's.
         self.num_launched = 0
-        self.late = self.grew = False
+        self.late, self.grew = [], False
         self.first_ready, self.first_ready_ns = [], []
         for bucket in self.buckets:
             bucket.reset()
