@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import MiB, ReplicateConfig
+from torchreplicate.core.buffers import broadcast_coalesced
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
@@ -40,7 +41,7 @@ from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, Reduction, WeakGroup, broadcast_coalesced
+from torchreplicate.reducer.reduction import AllReduce, Reduction, WeakGroup
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch
 from torchreplicate.reducer.tied_rows import TiedRows

@@ -65,7 +65,10 @@ import weakref
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from torchreplicate.errors import desync_error, late_after_learning
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
@@ -138,14 +141,10 @@ class FlagSums(NamedTuple):
     Attributes:
         unused_everywhere: indices of parameters no rank holds a gradient for.
         any_late: some rank had a gradient arrive after its bucket was launched.
-        clocks_agree: every rank reported the same training clock (optimizer steps).
-        layouts_agree: every rank reported the same bucket layout.
     """
 
     unused_everywhere: frozenset[int]
     any_late: bool
-    clocks_agree: bool = True
-    layouts_agree: bool = True
 
 
 def num_flags(num_params: int) -> int:
@@ -191,7 +190,8 @@ class Staged(NamedTuple):
     Attributes:
         step: the synchronised step they summed.
         late_ranks: how many ranks had a gradient arrive after its bucket left.
-        clocks_agree / layouts_agree: as ``FlagSums``'.
+        clocks_agree: every rank reported the same training clock (optimizer steps).
+        layouts_agree: every rank reported the same bucket layout.
         clock: this rank's training clock when it wrote them.
         late_params: the parameters whose gradient came late on this rank.
     """
@@ -229,6 +229,21 @@ class StagedSums:
             self.host.copy_(self.on_device, non_blocking=True)
             self.event.record()
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
+
+    def check(self, group: dist.ProcessGroup, layout_digest: int) -> None:
+        """Raises what the sums staged a step ago say, if anything (every rank reads the same sums).
+
+        Raises:
+            RuntimeError: the ranks disagreed (a desync, named after one more
+                collective), or a gradient came late on some rank.
+        """
+        staged = self.take()
+        if staged is None:
+            return
+        if not (staged.clocks_agree and staged.layouts_agree):
+            raise desync_error(group, staged.clock, layout_digest, staged.step, staged.clocks_agree)
+        if staged.late_ranks:
+            raise late_after_learning(dist.get_rank(group), staged.step, staged.late_ranks, staged.late_params)
 
     def take(self) -> Optional[Staged]:
         """The sums staged one step ago, once (None: nothing staged)."""
@@ -269,6 +284,7 @@ class StepFlags:
         self.tail = real_view(tail)
         self.num_params = num_params
         self.clock = clock
+        self.layout_digest = layout_digest
         # An ordinary step: a gradient for every parameter, nothing late; the
         # clock's residues are written at each step, the layout's once here.
         self.ordinary = torch.ones_like(self.tail)
@@ -292,12 +308,17 @@ class StepFlags:
         if late:
             tail[self.num_params] = 1
 
-    def read(self, unused_here: Sequence[int]) -> FlagSums:
-        """Reads the summed flags (after the all-reduce), at the end of the step."""
+    def read(self, unused_here: Sequence[int], group: dist.ProcessGroup, step: int) -> FlagSums:
+        """Reads the summed flags (after the all-reduce) at the end of ``step``.
+
+        Raises:
+            RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
+        """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
         clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
-        layouts_agree = residues_agree(rest[1 + _RESIDUE_WIDTH :])
-        return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0, clocks_agree, layouts_agree)
+        if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
+            raise desync_error(group, self.clock.steps, self.layout_digest, step, clocks_agree)
+        return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
 
     def stage(self, staged: StagedSums, step: int, unused_here: Sequence[int], late_params: Sequence[str]) -> FlagSums:
         """Stages the sums for the next step's end; returns what this step needs now, the parameters

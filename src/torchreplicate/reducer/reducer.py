@@ -59,13 +59,11 @@ from torch.compiler import is_compiling
 
 from torchreplicate.errors import (
     changed_since_plan,
-    desync_error,
     foreign_hook_error,
-    late_after_learning,
     raise_with_place,
     warn_backward_raised,
-    warn_late_unreduced,
     warn_create_graph,
+    warn_late_unreduced,
 )
 from torchreplicate.reducer import tuning
 from torchreplicate.reducer.bucket import (
@@ -394,33 +392,17 @@ class Reducer:
         if self.reduction.flags_apart:  # else they came back with the last bucket
             probe.at("the flags' all-reduce", num_steps)
             self.reduction.reduce_flags()
-        self._read_staged()
+        self.staged.check(self.group, self.flags.layout_digest)  # after this step's collectives: on every rank
         if not self.reads_now:
             if self.late:
                 warn_late_unreduced(num_steps, self.late)
             return self.flags.stage(self.staged, num_steps, unused_here, self.late)
-        sums = self.flags.read(unused_here)
-        if not (sums.clocks_agree and sums.layouts_agree):
-            digest = layout_digest(buckets, self.sparse.slots)
-            raise desync_error(self.group, self.flags.clock.steps, digest, num_steps, sums.clocks_agree)
-        return sums
+        return self.flags.read(unused_here, self.group, num_steps)
 
     @property
     def reads_now(self) -> bool:
         """Whether this step reads the summed flags at its end, else a step late ([Note: flags read a step late])."""
         return self.first_step is None or self.num_steps == self.first_step
-
-    def _read_staged(self) -> None:
-        # The sums the last step staged ([Note: flags read a step late]): read
-        # after this step's collectives, so every rank raises at the same point.
-        staged = self.staged.take()
-        if staged is None:
-            return
-        if not (staged.clocks_agree and staged.layouts_agree):
-            digest = layout_digest(self.buckets, self.sparse.slots)
-            raise desync_error(self.group, staged.clock, digest, staged.step, staged.clocks_agree)
-        if staged.late_ranks:
-            raise late_after_learning(dist.get_rank(self.group), staged.step, staged.late_ranks, staged.late_params)
 
     def finalize_raised_backward(self) -> None:
         """Ends the last synchronised backward if it raised before its end ran ([Note: a backward that raised]).
@@ -446,7 +428,7 @@ class Reducer:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         flags = real_view(self.reduction.shadow(num_flags(len(self.slots))))
-        self._read_staged()
+        self.staged.check(self.group, self.flags.layout_digest)
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
             any_late = flags[len(self.slots)].item() > 0

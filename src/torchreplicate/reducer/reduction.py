@@ -11,11 +11,10 @@ back when the flags travel apart. Neither this file nor bucket.py imports
 the other: the reducer binds them.
 
 The step's collectives are here, with what they need: the process group,
-held weakly (``WeakGroup``), ``all_reduce``, ``broadcast_coalesced`` (the
-buffers before each forward, the parameters at set-up) and ``wait_for``,
-which wait through the stall watchdog (``Waiter``); the rounds after the
-buckets, the buffer sync and the set-up (collectives.py, core/setup.py) use
-them.
+held weakly (``WeakGroup``), ``all_reduce`` and ``wait_for``, which wait
+through the stall watchdog (``Waiter``); the rounds after the buckets, the
+buffer sync and the set-up (collectives.py, core/buffers.py, core/setup.py)
+use them.
 """
 
 from __future__ import annotations
@@ -431,71 +430,3 @@ class HookReduction(Reduction):
     def reduce_flags(self) -> None:
         assert self.weak_group is not None, "bind() comes first"
         all_reduce(self._flags, self.weak_group.get(), self._waiter)
-
-
-@torch.no_grad()
-def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    *,
-    src_rank: int = 0,
-    in_place: bool = True,
-    waiter: Optional[Waiter] = None,
-) -> list[torch.Tensor]:
-    """Broadcasts tensors from ``src_rank`` in one collective per device.
-
-    Tensors of every dtype travel together as bytes, so a BatchNorm's float
-    statistics and its int64 counter cost one broadcast, not two.
-
-    Args:
-        tensors: what to broadcast; the same shapes and dtypes on every rank.
-        group: the process group.
-        src_rank: group rank whose values everyone takes. Default 0.
-        in_place: copy the result into ``tensors`` (True, default) or return
-            fresh tensors and leave the inputs untouched (False), for tensors a
-            live autograd graph may have saved.
-        waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
-
-    Returns:
-        The broadcast tensors: ``tensors`` themselves when ``in_place``, else
-        new tensors in the same order.
-    """
-    results: list[torch.Tensor] = list(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(index)
-    src = dist.get_global_rank(group, src_rank)
-    for indices in by_device.values():
-        members = [tensors[i].detach() for i in indices]
-        flat = _pack_bytes(members)
-        wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
-        offset = 0
-        for i, tensor in zip(indices, members, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            offset += _padded(nbytes)
-            if in_place:
-                tensor.copy_(piece)
-            else:
-                # a tensor of its own, not a view of `flat`: torch.compile refuses
-                # graph inputs that share storage ("view input mutations")
-                results[i] = piece.clone()
-    return results
-
-
-_ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _pack_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = sum(_padded(t.numel() * t.element_size()) for t in tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-    offset = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        flat[offset : offset + nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
-        offset += _padded(nbytes)
-    return flat
