@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -230,8 +230,12 @@ class StagedSums:
             self.event.record()
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
-    def check(self, group: dist.ProcessGroup, layout_digest: int) -> None:
+    def check(self, group: Callable[[], dist.ProcessGroup], layout_digest: int) -> None:
         """Raises what the sums staged a step ago say, if anything (every rank reads the same sums).
+
+        Args:
+            group: returns the module's process group (called only to raise).
+            layout_digest: this rank's bucket layout digest.
 
         Raises:
             RuntimeError: the ranks disagreed (a desync, named after one more
@@ -241,9 +245,9 @@ class StagedSums:
         if staged is None:
             return
         if not (staged.clocks_agree and staged.layouts_agree):
-            raise desync_error(group, staged.clock, layout_digest, staged.step, staged.clocks_agree)
+            raise desync_error(group(), staged.clock, layout_digest, staged.step, staged.clocks_agree)
         if staged.late_ranks:
-            raise late_after_learning(dist.get_rank(group), staged.step, staged.late_ranks, staged.late_params)
+            raise late_after_learning(dist.get_rank(group()), staged.step, staged.late_ranks, staged.late_params)
 
     def take(self) -> Optional[Staged]:
         """The sums staged one step ago, once (None: nothing staged)."""
@@ -320,9 +324,18 @@ class StepFlags:
             raise desync_error(group, self.clock.steps, self.layout_digest, step, clocks_agree)
         return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
 
-    def stage(self, staged: StagedSums, step: int, unused_here: Sequence[int], late_params: Sequence[str]) -> FlagSums:
-        """Stages the sums for the next step's end; returns what this step needs now, the parameters
-        no rank used (read only where this rank used none: [Note: flags read a step late])."""
+    def stage(
+        self,
+        staged: StagedSums,
+        step: int,
+        unused_here: Sequence[int],
+        late_params: Sequence[str],
+        group: Callable[[], dist.ProcessGroup],
+    ) -> FlagSums:
+        """Reads the sums the last step staged (``StagedSums.check``: raises what they say), stages
+        this step's for the next step's end, and returns what this step needs now: the parameters no
+        rank used, read only where this rank used none ([Note: flags read a step late])."""
+        staged.check(group, self.layout_digest)  # after this step's collectives: every rank raises here
         staged.stage(self.tail[self.num_params :], step, self.clock.steps, late_params)
         return FlagSums(self.unused_everywhere(unused_here), any_late=False)
 

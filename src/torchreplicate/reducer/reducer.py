@@ -392,12 +392,11 @@ class Reducer:
         if self.reduction.flags_apart:  # else they came back with the last bucket
             probe.at("the flags' all-reduce", num_steps)
             self.reduction.reduce_flags()
-        self.staged.check(self.group, self.flags.layout_digest)  # after this step's collectives: on every rank
-        if not self.reads_now:
-            if self.late:
-                warn_late_unreduced(num_steps, self.late)
-            return self.flags.stage(self.staged, num_steps, unused_here, self.late)
-        return self.flags.read(unused_here, self.group, num_steps)
+        if self.reads_now:
+            return self.flags.read(unused_here, self.group, num_steps)
+        if self.late:
+            warn_late_unreduced(num_steps, self.late)
+        return self.flags.stage(self.staged, num_steps, unused_here, self.late, self._group.get)
 
     @property
     def reads_now(self) -> bool:
@@ -428,11 +427,11 @@ class Reducer:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         flags = real_view(self.reduction.shadow(num_flags(len(self.slots))))
-        self.staged.check(self.group, self.flags.layout_digest)
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
             any_late = flags[len(self.slots)].item() > 0
         else:
+            self.staged.check(self._group.get, self.flags.layout_digest)
             self.staged.stage(flags[len(self.slots) :], self.num_steps, self._clock.steps, ())
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
