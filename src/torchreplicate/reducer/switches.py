@@ -38,23 +38,17 @@ class Collective(enum.Enum):
     ones wait for each other in vain. The re-plan runs before (or, for a lazy
     module, inside) a forward; the others inside ``FINALIZING``, after the
     buckets' waits. The buckets themselves are named by index, not here.
+    Each value is the words the watchdog's messages use (``Place.describe``);
+    a note in the store carries the name.
     """
 
-    REPLAN = "replan"  # the plan check and broadcasts of a re-plan (core/state.py's replan_if_changed)
-    FLAGS = "flags"  # the flags' own all-reduce, when they do not travel with the last bucket (flags.py)
-    LATE_ROUND = "late_round"  # the late round's pass over the buckets (rounds.py)
-    SPARSE = "sparse"  # the sparse gradients' all-reduces (sparse.py)
-    TIED_ROWS = "tied_rows"  # the tied parameters' rows (tied_rows.py)
+    REPLAN = "a re-plan"  # the plan check and broadcasts of a re-plan (core/state.py's replan_if_changed)
+    FLAGS = "the flags' all-reduce"  # when the flags do not travel with the last bucket (flags.py)
+    LATE_ROUND = "late round"  # the late round's pass over the buckets (rounds.py)
+    SPARSE = "sparse gradients"  # the sparse gradients' all-reduces (sparse.py)
+    TIED_ROWS = "the tied parameters' rows"  # tied_rows.py
 
 
-# how each place reads in messages (Place.describe; a bucket and a re-plan add their detail)
-_COLLECTIVE_TEXT = {
-    Collective.FLAGS: "the flags' all-reduce",
-    Collective.LATE_ROUND: "late round",
-    Collective.SPARSE: "sparse gradients",
-    Collective.TIED_ROWS: "the tied parameters' rows",
-}
-_STATE_TEXT = {TrainingState.FORWARD: "forward", TrainingState.BACKWARD: "backward"}
 # outside our collectives when no collective is named (a bucket's wait is FINALIZING's)
 _OUTSIDE = frozenset({TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD})
 
@@ -104,13 +98,13 @@ class Place(NamedTuple):
         if self.bucket is not None:
             where = f"bucket {self.bucket} ({detail})"
         elif self.collective is Collective.REPLAN:
-            where = f"a re-plan ({detail}: every rank must make the same change at the same step)"
+            where = f"{self.collective.value} ({detail}: every rank must make the same change at the same step)"
         elif self.collective is not None:
-            where = _COLLECTIVE_TEXT[self.collective]
+            where = self.collective.value
         elif self.state is TrainingState.IDLE:
             where = "set-up" if self.step == 0 else "user code after the backward"
         else:
-            where = _STATE_TEXT[self.state]
+            where = self.state.value  # "forward" or "backward"
         return f"{where} of step {self.step}"
 
     def to_json(self) -> list[Any]:
