@@ -371,16 +371,17 @@ def test_healthy_slow_steps_never_trip_the_watchdog():
 
 
 def test_who_is_where_sentence():
+    from torchreplicate.reducer.switches import Place, TrainingState
     from torchreplicate.reducer.watchdog import Note, describe_notes
 
-    def note(rank, phase, step=12, seconds=1.0, failed=False, alive=True):
-        return Note(rank, phase, step, seconds, failed, "hostA", 100 + rank, 7, alive)
+    def note(rank, state, bucket=None, detail="", seconds=1.0, failed=False, alive=True):
+        return Note(rank, Place(state, 12, bucket), detail, seconds, failed, "hostA", 100 + rank, 7, alive)
 
     notes = [
-        note(0, "bucket 0 ('w')"),
-        note(1, "forward", seconds=63.4),
-        note(2, "bucket 0 ('w')", failed=True, alive=False),
-        note(3, "backward", alive=False),
+        note(0, TrainingState.FINALIZING, 0, "'w'"),
+        note(1, TrainingState.FORWARD, seconds=63.4),
+        note(2, TrainingState.FINALIZING, 0, "'w'", failed=True, alive=False),
+        note(3, TrainingState.BACKWARD, alive=False),
     ]
     sentence = describe_notes(notes, 0, silence_s=1.0)
     assert "rank 1 has been in forward of step 12 for 63 s" in sentence, sentence

@@ -24,6 +24,7 @@ from torchreplicate.reducer.roll_call import (
     roll_call,
     start_time,
 )
+from torchreplicate.reducer.switches import Collective, Place, TrainingState
 from torchreplicate.reducer.watchdog import heartbeat_period
 
 HOST = "hostA"
@@ -65,8 +66,13 @@ class FakeStore:
                 raise RuntimeError("wait timed out")
 
 
-def note(rank: int, phase: str = "bucket 0 ('w')", step: int = 3, beat: int = 1, **fields: Any) -> str:
-    raw = {"phase": phase, "step": step, "seconds": 1.0, "failed": False, "left": "", "host": HOST, "ns": "n"}
+BUCKET_0 = Place(TrainingState.FINALIZING, 3, 0)
+
+
+def note(rank: int, place: Place = BUCKET_0, beat: int = 1, **fields: Any) -> str:
+    detail = "'w'" if place.bucket is not None else ""
+    raw = {"place": place.to_json(), "detail": detail, "seconds": 1.0, "failed": False, "left": "", "host": HOST}
+    raw["ns"] = "n"
     raw.update({"pid": 10_000_000 + rank, "start": 0, "beat": beat}, **fields)  # pids beyond pid_max: ended
     return json.dumps(raw)
 
@@ -83,7 +89,7 @@ def test_ended_settled_and_left_ranks_are_named_without_waiting_for_heartbeats()
     store = FakeStore()
     store.set(note_key(0), note(0, host="elsewhere", pid=os.getpid()))
     store.set(note_key(1), note(1, host=HOST, ns="n"))  # this host, its process gone
-    store.set(note_key(2), note(2, host="elsewhere", left="exited", step=2, phase="user code after the backward"))
+    store.set(note_key(2), note(2, Place(TrainingState.IDLE, 2), host="elsewhere", left="exited"))
     store.set(note_key(3), note(3, host="elsewhere", failed=True))
     start = time.monotonic()
     notes = roll_call(store, 0, 4, period=5.0, host=HOST, namespace="n")
@@ -108,7 +114,9 @@ def test_a_silent_remote_rank_is_gone_after_two_periods_and_a_beating_one_is_ali
         beats = 1
         while not stop.wait(0.05):
             beats += 1
-            store.set(note_key(2), note(2, host="elsewhere", pid=os.getpid(), beat=beats, phase="forward"))
+            store.set(
+                note_key(2), note(2, Place(TrainingState.FORWARD, 3), host="elsewhere", pid=os.getpid(), beat=beats)
+            )
 
     thread = threading.Thread(target=beat)
     thread.start()
@@ -150,10 +158,36 @@ def test_one_rank_reads_the_notes_and_the_others_read_its_result():
 
 
 def test_notes_travel_compressed_and_come_back_equal():
-    notes = [Note(r, "bucket 0 ('w')", 12, 1.5, r % 2 == 0, HOST, 100 + r, 7, True, "", False) for r in range(1000)]
+    notes = [Note(r, Place(TrainingState.FINALIZING, 12, 0), "'w'", 1.5, r % 2 == 0, HOST, 100 + r, 7, True, "", False)
+             for r in range(1000)]  # fmt: skip
     value = encode_notes(notes)
     assert decode_notes(value) == notes
     assert len(value) < 20 * len(notes), len(value)
+
+
+def test_every_place_reads_as_one_text_decides_by_its_fields_and_travels_as_json():
+    idle, forward, backward, ending = (TrainingState.IDLE, TrainingState.FORWARD, TrainingState.BACKWARD,
+                                       TrainingState.FINALIZING)  # fmt: skip
+    places = {  # place, detail -> its words, outside our collectives, in a backward
+        (Place(idle, 0), ""): ("set-up of step 0", True, False),
+        (Place(forward, 2), ""): ("forward of step 2", True, False),
+        (Place(forward, 2, collective=Collective.REPLAN), "'0.weight' frozen"): (
+            "a re-plan ('0.weight' frozen: every rank must make the same change at the same step) of step 2",
+            False,
+            False,
+        ),
+        (Place(backward, 2), ""): ("backward of step 2", True, True),
+        (Place(ending, 2, 3), "fc1.weight, fc1.bias"): ("bucket 3 (fc1.weight, fc1.bias) of step 2", False, True),
+        (Place(ending, 2, collective=Collective.FLAGS), ""): ("the flags' all-reduce of step 2", False, True),
+        (Place(ending, 2, collective=Collective.LATE_ROUND), ""): ("late round of step 2", False, True),
+        (Place(ending, 2, collective=Collective.SPARSE), ""): ("sparse gradients of step 2", False, True),
+        (Place(ending, 2, collective=Collective.TIED_ROWS), ""): ("the tied parameters' rows of step 2", False, True),
+        (Place(idle, 3), ""): ("user code after the backward of step 3", True, False),
+    }
+    for (place, detail), (words, outside, in_backward) in places.items():
+        assert (place.describe(detail), place.outside, place.in_backward) == (words, outside, in_backward), place
+        assert Place.from_json(json.loads(json.dumps(place.to_json()))) == place
+    assert Place(ending, 2, 0) != Place(ending, 2, 1) and Place(ending, 2, 0) != Place(ending, 3, 0)
 
 
 def test_a_process_that_ended_is_known_without_a_heartbeat():

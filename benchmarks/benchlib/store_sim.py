@@ -61,7 +61,8 @@ def _run_all(jobs: list[Callable[[], None]]) -> None:
 
 def note_value(rank: int, beat: int, protocol: str) -> str:
     """A note as the protocol writes it (the size matters: what the store carries)."""
-    note = {"phase": "bucket 0 ('layers.0.weight', 'layers.0.bias' and 2 more)", "step": 1234, "seconds": 12.345}
+    note = {"place": ["FINALIZING", 1234, 0, None], "detail": "'layers.0.weight', 'layers.0.bias' and 2 more"}
+    note["seconds"] = 12.345
     note.update({"failed": False, "host": HOST, "pid": 100000 + rank})
     if protocol == "after":
         note.update({"left": "", "ns": "pid:[4026531836]", "start": 123456789, "beat": beat})

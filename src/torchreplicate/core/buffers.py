@@ -122,7 +122,7 @@ class BufferSync:
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):
                 raise
-            raise watch.diagnose(f"the buffer broadcast before {watch.phase} of step {watch.step}", error) from error
+            raise watch.diagnose(error, before="the buffer broadcast") from error
 
 
 @torch.no_grad()

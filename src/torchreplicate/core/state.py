@@ -50,7 +50,7 @@ from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
-from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.reducer.switches import Collective, Learned, Lifecycle, Place, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     active_ddp_module,
     claimed_elsewhere,
@@ -324,15 +324,15 @@ class ReplicateState:
             return
         change = describe_change(self.plan, plan)
         step = 0 if self.reducer is None else self.reducer.num_steps
-        self.probe.at(f"a re-plan ({change}: every rank must make the same change at the same step)", step)
+        self.probe.at(Place(TrainingState.FORWARD, step, collective=Collective.REPLAN), change)
         watch = self.probe.watch
         try:
             self.install(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
         except RuntimeError as error:
             if watch is None or not is_transport_error(error):
                 raise
-            raise watch.diagnose(f"the re-plan ({change}) before step {step}", error) from error
-        self.probe.replanned(step)
+            raise watch.diagnose(error) from error
+        self.probe.replanned(step)  # back at the forward's place
 
     def _lazy_materialised(self, module: nn.Module) -> None:
         # A lazy module materialised in a forward with gradients: planned from now on.
@@ -439,7 +439,7 @@ class ReplicateState:
         if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
             self.reducer.finalize_raised_backward()  # outside a backward: the last one raised before its end ran
         self.num_forwards += 1
-        self.probe.at("forward", 0 if self.reducer is None else self.reducer.num_steps)
+        self.probe.at(Place(TrainingState.FORWARD, 0 if self.reducer is None else self.reducer.num_steps))
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             self.replan_if_changed()

@@ -5,7 +5,8 @@ forward hooks) makes one ``Probe`` call. The probe feeds the three listeners
 from that one call:
 
 - the stall watchdog's note of where this rank is (watchdog.py: what a
-  failing rank's error says about the others), when a watchdog runs;
+  failing rank's error says about the others), a ``Place`` (switches.py),
+  when a watchdog runs;
 - an observer of the step's timeline (``StepEvents``; timeline.py's recorder
   is the one ``log_summary()`` attaches), off by default;
 - the profiler: ``span(phase, bucket)`` runs a phase under
@@ -42,6 +43,7 @@ from typing import (
 import torch
 from torch.autograd.profiler import record_function
 
+from torchreplicate.reducer.switches import Collective, Place, TrainingState
 from torchreplicate.reducer.watchdog import StallWatch
 from torchreplicate.torch_internals import profiler_active
 
@@ -133,10 +135,16 @@ class Probe:
         self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
 
-    def at(self, where: str, step: int) -> None:
-        """This rank is at ``where`` (a forward, a re-plan, the flags' all-reduce, ...) of ``step``."""
+    def at(self, place: Place, detail: str = "") -> None:
+        """This rank is at ``place`` (a forward, a re-plan, the flags' all-reduce, ...).
+
+        Args:
+            place: where the rank is ([Note: stall watchdog] in watchdog.py).
+            detail: the bucket's parameters, or what a re-plan changed, for
+                messages only. Default "".
+        """
         if self.watch is not None:
-            self.watch.at(where, step)
+            self.watch.at(place, detail)
 
     def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
         """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
@@ -144,7 +152,7 @@ class Probe:
 
     def backward(self, step: int) -> None:
         """The synchronised backward of ``step`` started."""
-        self.at("backward", step)
+        self.at(Place(TrainingState.BACKWARD, step))
         if self.events is not None:
             self.events.backward(step)
 
@@ -164,7 +172,7 @@ class Probe:
     @contextlib.contextmanager
     def waiting(self, bucket: int, what: str, step: int) -> Iterator[None]:
         """Around the end of backward's wait for ``bucket`` (``what``: its parameters, for the watchdog)."""
-        self.at(f"bucket {bucket} ({what})", step)
+        self.at(Place(TrainingState.FINALIZING, step, bucket), what)
         if self.events is not None:
             self.events.waiting(bucket)
         with self.span("wait", bucket):
@@ -175,18 +183,19 @@ class Probe:
     def late_round(self, started: bool, step: int) -> None:
         """A late round of ``step`` started or ended."""
         if started:
-            self.at("late round", step)
+            self.at(Place(TrainingState.FINALIZING, step, collective=Collective.LATE_ROUND))
         if self.events is not None:
             self.events.late_round(started)
 
     def step_end(self, step: int, wire_bytes: int) -> None:
         """``step`` is complete: the rank is back in user code, before ``step + 1``."""
-        self.at("user code after the backward", step + 1)
+        self.at(Place(TrainingState.IDLE, step + 1))
         if self.events is not None:
             self.events.step_end(step, wire_bytes)
 
     def replanned(self, step: int) -> None:
-        """The module re-planned before ``step``."""
+        """The module re-planned before ``step``: the forward goes on, outside our collectives again."""
+        self.at(Place(TrainingState.FORWARD, step))
         if self.events is not None:
             self.events.replan(step)
 

@@ -80,7 +80,7 @@ from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
-from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.reducer.switches import Collective, Learned, Lifecycle, Place, SyncSwitch, TrainingState
 from torchreplicate.reducer.tied_rows import TiedRows
 from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, in_backward, queue_end_of_backward_callback
@@ -369,7 +369,7 @@ class Reducer:
             watch = self.probe.watch
             if watch is None or not is_transport_error(error):
                 raise
-            raise watch.diagnose(f"{watch.phase} of step {self.num_steps}", error) from error
+            raise watch.diagnose(error) from error
         finally:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
@@ -390,7 +390,7 @@ class Reducer:
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
         if self.reduction.flags_apart:  # else they came back with the last bucket
-            probe.at("the flags' all-reduce", num_steps)
+            probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
             self.reduction.reduce_flags()
         if self.reads_now:
             return self.flags.read(unused_here, self.group, num_steps)

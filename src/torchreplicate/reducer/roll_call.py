@@ -30,7 +30,9 @@ import os
 import time
 import zlib
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
+
+from torchreplicate.reducer.switches import Place
 
 CLAIM_KEY = "roll-call/claim"
 VERDICT_KEY = "roll-call/verdict"
@@ -42,9 +44,9 @@ class Note(NamedTuple):
 
     Attributes:
         rank: the group rank.
-        phase: what it was doing ("forward", "backward", "bucket 0", "finalize", "idle", ...).
-        step: synchronised backwards it had completed.
-        seconds: how long it had been in that phase, by its own clock, when it wrote.
+        place: where it was (its state, bucket or collective, and step: switches.py's ``Place``).
+        detail: the bucket's parameters, or what its re-plan changed: for messages only.
+        seconds: how long it had been at that place, by its own clock, when it wrote.
         failed: it had given up after a failed collective (its heartbeat stopped then).
         host: its host name.
         pid: its process id.
@@ -55,8 +57,8 @@ class Note(NamedTuple):
     """
 
     rank: int
-    phase: str
-    step: int
+    place: Place
+    detail: str
     seconds: float
     failed: bool
     host: str
@@ -117,7 +119,7 @@ def _settled(raw: dict[str, Any]) -> bool:
 
 
 def roll_call(
-    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Any = None
+    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Optional[Place] = None
 ) -> list[Note]:
     """Every rank's note, each settled (failed, left, ended, alive) or silent for two periods.
 
@@ -128,7 +130,7 @@ def roll_call(
         period: the heartbeat period in seconds.
         host: this host's name (``socket.gethostname()``).
         namespace: this process's pid namespace (``pid_namespace()``).
-        place: ``(phase, step)`` of the reading rank: an alive rank elsewhere is
+        place: the reading rank's ``Place``: an alive rank elsewhere is
             watched the two periods (it may arrive late), not just until it beats.
     """
     keys = [note_key(r) for r in range(world_size)]
@@ -145,7 +147,7 @@ def roll_call(
         moved = [
             r
             for r in waiting
-            if (latest[r]["beat"] != first[r]["beat"] and place in (None, (latest[r]["phase"], latest[r]["step"])))
+            if (latest[r]["beat"] != first[r]["beat"] and place in (None, Place.from_json(latest[r]["place"])))
             or _settled(latest[r])
             or ended[r]
         ]
@@ -159,13 +161,13 @@ def roll_call(
 
 def _note(rank: int, raw: dict[str, Any], beats: int, alive: bool, ended: bool) -> Note:
     return Note(
-        rank, raw["phase"], raw["step"], raw["seconds"], raw["failed"], raw["host"], raw["pid"], beats, alive,
-        raw["left"], ended,
+        rank, Place.from_json(raw["place"]), raw["detail"], raw["seconds"], raw["failed"], raw["host"], raw["pid"],
+        beats, alive, raw["left"], ended,
     )  # fmt: skip
 
 
 def gather_notes(
-    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Any = None
+    store: Any, rank: int, world_size: int, period: float, host: str, namespace: str, place: Optional[Place] = None
 ) -> list[Note]:
     """The roll call, done once for the group: claim it and publish it, or read what the claimer published.
 
@@ -184,23 +186,20 @@ def gather_notes(
 
 
 def encode_notes(notes: list[Note]) -> bytes:
-    """Notes as one compact value (JSON rows, zlib)."""
-    return zlib.compress(json.dumps([list(note) for note in notes], separators=(",", ":")).encode())
+    """Notes as one compact value (JSON rows, each place as ``Place.to_json`` writes it, zlib)."""
+    rows = [[note.rank, note.place.to_json(), *note[2:]] for note in notes]
+    return zlib.compress(json.dumps(rows, separators=(",", ":")).encode())
 
 
 def decode_notes(value: bytes) -> list[Note]:
     """The inverse of ``encode_notes``."""
-    return [Note(*row) for row in json.loads(zlib.decompress(value))]
+    return [Note(row[0], Place.from_json(row[1]), *row[2:]) for row in json.loads(zlib.decompress(value))]
 
 
 def ordinal(n: int) -> str:
     """1st, 2nd, 3rd, 4th, 11th, 21st, ..."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
-
-
-def _in_backward(phase: str) -> bool:
-    return not phase.startswith(("forward", "a re-plan", "set-up", "user code"))
 
 
 def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
@@ -213,15 +212,15 @@ def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
     """
     mine = notes[this_rank]
     # waiting where this rank waits (or having given up there, like this rank)
-    with_me = [n.rank for n in notes if (n.alive or n.failed) and (n.phase, n.step) == (mine.phase, mine.step)]
+    with_me = [n.rank for n in notes if (n.alive or n.failed) and n.place == mine.place]
     with_me = sorted({*with_me, this_rank})
     parts = [_describe(note, silence_s) for note in notes if note.rank not in with_me]
     waiting = ", ".join(str(r) for r in with_me)
     label = "rank {} waits" if len(with_me) == 1 else "ranks {} wait"
-    place = f"{label.format(waiting)} in {mine.phase} of step {mine.step}"
+    place = f"{label.format(waiting)} in {mine.place.describe(mine.detail)}"
     if any(note.left for note in notes if note.rank not in with_me):
-        if _in_backward(mine.phase):
-            place += f", its {ordinal(mine.step + 1)} synchronised backward: "
+        if mine.place.in_backward:
+            place += f", its {ordinal(mine.place.step + 1)} synchronised backward: "
             place += "the ranks ran different numbers of backward passes"
         else:
             place += ": the ranks ran different numbers of forward passes"
@@ -230,20 +229,20 @@ def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
 
 def _describe(note: Note, silence_s: float) -> str:
     # One rank that is not where the raising rank is.
-    backwards = f"{note.step} synchronised backward{'' if note.step == 1 else 's'}"
+    step, where = note.place.step, note.place.describe(note.detail)
+    backwards = f"{step} synchronised backward{'' if step == 1 else 's'}"
     if note.left:
         return f"rank {note.rank} {'exited' if note.ended else note.left} after {backwards}"
     if note.failed:
-        return f"rank {note.rank} stopped after an error in {note.phase} of step {note.step}"
+        return f"rank {note.rank} stopped after an error in {where}"
     if note.ended:
         return (
             f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, has ended; its last report, "
-            f"at most one heartbeat old, was {note.phase} of step {note.step})"
+            f"at most one heartbeat old, was {where})"
         )
     if not note.alive:
         return (
             f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, sent no heartbeat "
-            f"in {silence_s:.1f} s; its last report, at most one heartbeat old, was {note.phase} of "
-            f"step {note.step})"
+            f"in {silence_s:.1f} s; its last report, at most one heartbeat old, was {where})"
         )
-    return f"rank {note.rank} has been in {note.phase} of step {note.step} for {note.seconds:.0f} s"
+    return f"rank {note.rank} has been in {where} for {note.seconds:.0f} s"

@@ -18,6 +18,7 @@ import torch
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.reducer.rounds import RoundInputs
+from torchreplicate.reducer.switches import Collective, Place, TrainingState
 
 
 class SparseGrads:
@@ -36,7 +37,7 @@ class SparseGrads:
 
     def reduce(self, end: RoundInputs) -> None:
         """All-reduces every sparse gradient and writes back its average (or None): a round (rounds.py)."""
-        end.probe.at("sparse gradients", end.step)
+        end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.SPARSE))
         for slot in self.slots:
             param = slot.param
             grad = param.grad

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import Waiter, all_reduce
 from torchreplicate.reducer.rounds import RoundInputs
-from torchreplicate.reducer.switches import SyncSwitch
+from torchreplicate.reducer.switches import Collective, Place, SyncSwitch, TrainingState
 
 
 class TiedRows:
@@ -98,7 +98,7 @@ class TiedRows:
         A round (rounds.py): on every rank at the end of a synchronised
         backward, after the buckets. Rows no rank touched are not sent.
         """
-        end.probe.at("the tied parameters' rows", end.step)
+        end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.TIED_ROWS))
         with end.probe.span("tied_rows"):
             self._reduce(end.group, end.divide_factor, end.probe.watch)
 

@@ -28,8 +28,18 @@ where DDP's would end, or where it could never finish:
   A dead peer needs no timeout: gloo reports the closed connection at once.
   On NCCL the CPU does not wait in ``Work.wait`` (it orders the stream), so
   the waits are plain and the group's timeout (NCCL's own watchdog) rules.
-- The main thread notes where it is (``StallWatch.at``: forward, backward,
-  bucket k, finalize, and the step), a few attribute writes per step.
+- The main thread notes where it is (``StallWatch.at``), a few attribute
+  writes per step: a ``Place`` (switches.py), the module's ``TrainingState``
+  with a bucket index or one of our other collectives (``Collective``: the
+  re-plan, the flags' all-reduce, the late, sparse and tied rounds), and the
+  step. Every decision compares places: a peer is at this rank's place when
+  its place equals this rank's; it is outside our collectives when its place
+  names no collective in ``IDLE``, ``FORWARD`` or ``BACKWARD``
+  (``Place.outside``). The text of a place is made in one function,
+  ``Place.describe``, from the place and the bucket's parameters or the
+  re-plan's change (kept beside the place, for messages only). The buffer
+  broadcast before a forward runs at the forward's place, as a joined rank's
+  broadcast runs at its last one: a peer waiting there reads as outside.
 - A heartbeat thread copies that note, with a counter it increments, into
   the process group's own store every ``period`` seconds: one ``set`` (a
   one-way message), no collective, off the hot path. It stops with the
@@ -76,12 +86,12 @@ from torchreplicate.reducer.roll_call import (
     roll_call,
     start_time,
 )
+from torchreplicate.reducer.switches import Place, TrainingState
 from torchreplicate.torch_internals import group_timeout
 
-__all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period", "is_outside"]
+__all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period"]
 
 MAX_BEATS_PER_S = 400.0  # heartbeats of a whole group per second, at most (see the Note)
-_OUTSIDE = ("forward", "backward", "user code", "set-up")  # phases outside our collectives (probe.py's notes)
 _TIMED_OUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice ends first (torch 2.13)
 
 
@@ -89,16 +99,12 @@ class StallWarning(UserWarning):
     """A peer is alive but late, outside the step; the collective keeps waiting ([Note: stall watchdog])."""
 
 
-def is_outside(phase: str) -> bool:
-    """Whether a note's ``phase`` is outside our collectives (forward, backward's computation, user code)."""
-    return phase.startswith(_OUTSIDE)
-
-
 def where_outside(note: Note) -> str:
     """Where a live peer outside our collectives is, for the warning: "outside the step for 61 s (...)"."""
-    if note.phase.startswith(("user code", "set-up")):
-        return f"outside the step for {note.seconds:.0f} s ({note.phase} of step {note.step})"
-    return f"in {note.phase} of step {note.step} for {note.seconds:.0f} s"
+    where = note.place.describe(note.detail)
+    if note.place.state is TrainingState.IDLE:  # the set-up, or user code between steps
+        return f"outside the step for {note.seconds:.0f} s ({where})"
+    return f"in {where} for {note.seconds:.0f} s"
 
 
 def heartbeat_period(timeout_s: float, world_size: int) -> float:
@@ -132,8 +138,8 @@ class StallWatch:
         self.world_size = dist.get_world_size(group)
         self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats
         # - Where this rank is: written by the main thread, read by the heartbeat thread
-        self.phase = "set-up"
-        self.step = 0  # synchronised backwards completed
+        self.place = Place(TrainingState.IDLE, 0)  # the set-up: no forward yet
+        self.detail = ""  # the bucket's parameters or the re-plan's change, for messages only
         self.entered = time.monotonic()
         self.failed = False
         self.left = ""  # how this rank stopped watching ("exited", ...): its last note says so
@@ -155,10 +161,16 @@ class StallWatch:
         self._thread.start()
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def at(self, phase: str, step: int) -> None:
-        """Notes where this rank is now (main thread; a few attribute writes)."""
-        self.phase = phase
-        self.step = step
+    def at(self, place: Place, detail: str = "") -> None:
+        """Notes where this rank is now (main thread; a few attribute writes).
+
+        Args:
+            place: where the rank is (``Place``).
+            detail: the bucket's parameters, or what a re-plan changed, for
+                messages only ("" elsewhere). Default "".
+        """
+        self.place = place
+        self.detail = detail
         self.entered = time.monotonic()
 
     def stop(self) -> None:
@@ -212,23 +224,23 @@ class StallWatch:
         Args:
             waited: seconds this rank has waited in its collective.
         """
-        place = (self.phase, self.step)
+        place, here = self.place, self.place.describe(self.detail)
         notes = roll_call(self._store, self.rank, self.world_size, self.period, self.host, self.namespace)
         notes[self.rank] = self._own_note()
-        elsewhere = [n for n in notes if n.rank != self.rank and (n.phase, n.step) != place]
-        fatal = [n for n in elsewhere if n.failed or n.left or n.ended or not n.alive or not is_outside(n.phase)]
+        elsewhere = [n for n in notes if n.rank != self.rank and n.place != place]
+        fatal = [n for n in elsewhere if n.failed or n.left or n.ended or not n.alive or not n.place.outside]
         if fatal:
             self.failed = True
             self._beat()  # a peer stuck in its own collective reads at its wake-up that this rank gave up
             self.stop()
             why = "a peer is gone or waits in another collective, so this one can never complete"
             raise RuntimeError(
-                f"replicate(): rank {self.rank}: {self.phase} of step {self.step} waited {waited:.0f} s: {why}. "
+                f"replicate(): rank {self.rank}: {here} waited {waited:.0f} s: {why}. "
                 f"{describe_notes(notes, self.rank, 2 * self.period)}"
             )
         for note in elsewhere:
             warnings.warn(
-                f"replicate(): rank {self.rank} has waited {waited:.0f} s in {self.phase} of step {self.step}: "
+                f"replicate(): rank {self.rank} has waited {waited:.0f} s in {here}: "
                 f"rank {note.rank}: {where_outside(note)}, alive. Waiting on, up to the process group's "
                 f"timeout ({self.group_timeout_s:.0f} s), as DDP does; next look in {waited:.0f} s "
                 "(stall_timeout sets the first)",
@@ -236,11 +248,20 @@ class StallWatch:
                 stacklevel=2,
             )
 
-    def diagnose(self, what: str, error: BaseException) -> RuntimeError:
-        """The error to raise when ``what`` (a collective) failed with ``error``.
+    def diagnose(self, error: BaseException, before: str = "") -> RuntimeError:
+        """The error to raise when a collective of ours failed with ``error``, at this rank's place.
 
         Reads every rank's note ([Note: roll call] in roll_call.py), then stops the heartbeat.
+
+        Args:
+            error: what the collective raised (gloo's text stays in the message).
+            before: a collective run before the place, not at it (the buffer
+                broadcast before a forward), named first; "" for the place's
+                own. Default "".
         """
+        what = self.place.describe(self.detail)
+        if before:
+            what = f"{before} before {what}"
         timed_out = "Timed out" in str(error) or "timed out" in str(error)
         cause = (
             f"waited more than the process group's timeout ({self.group_timeout_s:g} s)"
@@ -253,8 +274,9 @@ class StallWatch:
             # the roll call reads it there now, not a heartbeat late (or as gone).
             self.failed = True
             self._beat()
-            place = (self.phase, self.step)
-            notes = gather_notes(self._store, self.rank, self.world_size, self.period, self.host, self.namespace, place)
+            notes = gather_notes(
+                self._store, self.rank, self.world_size, self.period, self.host, self.namespace, self.place
+            )
         except Exception as store_error:  # the store lived in a rank that is gone
             self.stop()
             return RuntimeError(
@@ -280,8 +302,8 @@ class StallWatch:
     def _beat(self) -> None:
         self.beats += 1
         note = {
-            "phase": self.phase,
-            "step": self.step,
+            "place": self.place.to_json(),  # parsed back by the reader (roll_call.py)
+            "detail": self.detail,
             "seconds": round(time.monotonic() - self.entered, 3),
             "failed": self.failed,
             "left": self.left,
@@ -295,7 +317,7 @@ class StallWatch:
 
     def _own_note(self) -> Note:
         seconds = time.monotonic() - self.entered
-        return Note(self.rank, self.phase, self.step, seconds, True, self.host, self.pid, self.beats, True)
+        return Note(self.rank, self.place, self.detail, seconds, True, self.host, self.pid, self.beats, True)
 
 
 def _leave_at_exit(ref: weakref.ref[StallWatch]) -> None:
