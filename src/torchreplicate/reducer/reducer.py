@@ -25,7 +25,10 @@ rank holds a gradient for, and whether a gradient arrived after its bucket
 was launched. After the last bucket is reduced, every rank reads the same
 sums and takes the same decisions: a parameter with no gradient on any rank
 keeps ``grad=None``; any late gradient anywhere triggers one more agreed
-round ([Note: the late round] in rounds.py).
+round ([Note: the late round] in rounds.py). From a reducer's second step
+on, at the default ``graph="learned"``, the sums are read at the end of the
+next step instead, and no late round runs ([Note: flags read a step late]
+in flags.py).
 
 [Note: a backward that raised]
 A backward that raised (an exception in a hook or an autograd Function, out
