@@ -35,7 +35,7 @@ reducer (the step that learns how often each parameter's gradient arrives)
 reads them at its end. Every later step copies its sums to host memory
 without waiting (``StagedSums.stage``: a non-blocking copy into pinned memory
 and an event, on an accelerator) and reads them at the end of the next
-synchronised step, after that step's own collectives (``StagedSums.take``,
+synchronised step, after that step's own collectives (``StagedSums.check``,
 through a NumPy view of the host copy: by then the event, one step old, has
 long completed, so the wait it makes, if any, leaves the accelerator busy).
 What a user sees change:
@@ -184,26 +184,6 @@ def residues_agree(sums: Sequence[float]) -> bool:
 _STAGED_WIDTH = 1 + 2 * _RESIDUE_WIDTH  # what a step late reads: the late flag, then both residue blocks
 
 
-class Staged(NamedTuple):
-    """A step's summed flags, read at the end of the next step ([Note: flags read a step late]).
-
-    Attributes:
-        step: the synchronised step they summed.
-        late_ranks: how many ranks had a gradient arrive after its bucket left.
-        clocks_agree: every rank reported the same training clock (optimizer steps).
-        layouts_agree: every rank reported the same bucket layout.
-        clock: this rank's training clock when it wrote them.
-        late_params: the parameters whose gradient came late on this rank.
-    """
-
-    step: int
-    late_ranks: int
-    clocks_agree: bool
-    layouts_agree: bool
-    clock: int
-    late_params: tuple[str, ...]
-
-
 class StagedSums:
     """One reducer's host copy of a step's summed flags, read a step late ([Note: flags read a step late]).
 
@@ -231,7 +211,7 @@ class StagedSums:
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
     def check(self, group: Callable[[], dist.ProcessGroup], layout_digest: int) -> None:
-        """Raises what the sums staged a step ago say, if anything (every rank reads the same sums).
+        """Raises what the sums staged a step ago say, if anything (every rank reads the same sums); once.
 
         Args:
             group: returns the module's process group (called only to raise).
@@ -241,30 +221,24 @@ class StagedSums:
             RuntimeError: the ranks disagreed (a desync, named after one more
                 collective), or a gradient came late on some rank.
         """
-        staged = self.take()
-        if staged is None:
-            return
-        if not (staged.clocks_agree and staged.layouts_agree):
-            raise desync_error(group(), staged.clock, layout_digest, staged.step, staged.clocks_agree)
-        if staged.late_ranks:
-            raise late_after_learning(dist.get_rank(group()), staged.step, staged.late_ranks, staged.late_params)
-
-    def take(self) -> Optional[Staged]:
-        """The sums staged one step ago, once (None: nothing staged)."""
         if self.step < 0:
-            return None
+            return  # nothing staged
         if self.event is not None:
             self.event.synchronize()  # recorded a step ago: done, unless the device runs a step behind
-        values = self.values.tolist()
-        step, self.step = self.step, -1
-        return Staged(
-            step,
-            round(values[0]),
-            residues_agree(values[1 : 1 + _RESIDUE_WIDTH]),
-            residues_agree(values[1 + _RESIDUE_WIDTH :]),
-            self.clock,
-            self.late_params,
-        )
+        rest, step, self.step = self.values.tolist(), self.step, -1
+        raise_on_desync(rest, group, self.clock, layout_digest, step)
+        if rest[0] > 0:
+            raise late_after_learning(dist.get_rank(group()), step, round(rest[0]), self.late_params)
+
+
+def raise_on_desync(
+    rest: Sequence[float], group: Callable[[], dist.ProcessGroup], clock: int, layout_digest: int, step: int
+) -> None:
+    """Raises, on every rank, when the summed residues in ``rest`` (the flags after the parameters'
+    counts) say the ranks disagree ([Note: desync detection]); ``group`` is called only to raise."""
+    clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
+    if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
+        raise desync_error(group(), clock, layout_digest, step, clocks_agree)
 
 
 class StepFlags:
@@ -312,16 +286,14 @@ class StepFlags:
         if late:
             tail[self.num_params] = 1
 
-    def read(self, unused_here: Sequence[int], group: dist.ProcessGroup, step: int) -> FlagSums:
+    def read(self, unused_here: Sequence[int], group: Callable[[], dist.ProcessGroup], step: int) -> FlagSums:
         """Reads the summed flags (after the all-reduce) at the end of ``step``.
 
         Raises:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
         """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
-        clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
-        if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
-            raise desync_error(group, self.clock.steps, self.layout_digest, step, clocks_agree)
+        raise_on_desync(rest, group, self.clock.steps, self.layout_digest, step)
         return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
 
     def stage(

@@ -396,7 +396,7 @@ class Reducer:
             probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
             self.reduction.reduce_flags()
         if self.reads_now:
-            return self.flags.read(unused_here, self.group, num_steps)
+            return self.flags.read(unused_here, self._group.get, num_steps)
         if self.late:
             warn_late_unreduced(num_steps, self.late)
         return self.flags.stage(self.staged, num_steps, unused_here, self.late, self._group.get)
