@@ -137,7 +137,7 @@ def accelerate_run(out: Path, kind: str, precision: str) -> None:
         f"mlp_{kind}_{precision}",
         {
             "state_dict": cloned(unwrapped),
-            "options": None if state is None else (state.config.bucket_cap_mb, state.config.gradient_as_bucket_view),
+            "options": None if state is None else (state.config.bucket_cap_mb, state.config.views),
             "reduction": None if state is None else type(state.reduction).__name__,
             "all_reduces": count_all_reduces(profiled),
             "wrapped": type(prepared).__name__,

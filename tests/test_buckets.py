@@ -218,3 +218,44 @@ def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
     expected = torch.mul(first, scale).add_(second, alpha=1.0 / divisor)
     assert torch.equal(slot.view, expected), (dtype, divisor)
     assert param.grad is None, "the view holds them until the bucket's average is restored"
+
+
+# -- DDP's assignment ([Note: DDP's buckets]) -------------------------------------------------
+
+
+def ddp(numels, limits, dtypes=None, **kw):
+    from torchreplicate.reducer.bucket_plan import ddp_buckets
+
+    dtypes = dtypes or [F32] * len(numels)
+    return [b.param_indices for b in ddp_buckets(numels, dtypes, [CPU] * len(numels), limits, **kw)]
+
+
+def test_ddps_first_iteration_is_one_bucket_in_registration_order():
+    import sys
+
+    assert ddp([10, 20, 30], [sys.maxsize]) == [(0, 1, 2)]
+
+
+def test_ddps_buckets_fill_in_registration_order_then_reverse():
+    # 40-byte parameters, limits 40 then 80 B (as read in DDP 2.13's reducer.cpp and checked there):
+    # [0] closes at 40 B, [1, 2] and [3, 4] at 80 B; DDP's Python side reverses the list
+    assert ddp([10] * 5, [40, 80]) == [(3, 4), (1, 2), (0,)]
+
+
+def test_ddps_rebuild_keeps_the_ready_order_unsorted():
+    assert ddp([10] * 5, [40, 80], order=[4, 2, 0, 1, 3]) == [(4,), (2, 0), (1, 3)]
+
+
+def test_ddps_limits_walk_per_dtype():
+    # the fp16 parameters (2 B each) walk their own limits: their first bucket is a first bucket too
+    dtypes = [F32, F16, F32, F16, F32]
+    assert ddp([10] * 5, [40, 80], dtypes=dtypes, order=[4, 3, 2, 1, 0]) == [(4,), (3, 1), (2, 0)]
+
+
+def test_ddps_limits_follow_the_cap_given():
+    from torchreplicate.reducer.bucket_plan import ddp_limits
+
+    assert ddp_limits(25 * MiB, MiB, rebuilt=True, find_unused=False) == [MiB, 25 * MiB]
+    assert ddp_limits(25 * MiB, 25 * MiB, rebuilt=False, find_unused=True) == [25 * MiB]
+    assert ddp_limits(25 * MiB, MiB, rebuilt=False, find_unused=True) == [MiB, 25 * MiB]
+    assert len(ddp_limits(25 * MiB, MiB, rebuilt=False, find_unused=False)) == 1  # one bucket per dtype

@@ -388,7 +388,9 @@ def _train(model, optimizer, rank, steps, first_step):
 
 def _fresh(seed):
     model = seeded(MLP, seed)
-    replicate(model, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)
+    # one layout from the first step on: PowerSGD's state is kept per bucket, and a resumed run's first
+    # step must have the buckets the saved state was built on (DDP's first iteration has other ones)
+    replicate(model, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005, bucket_layout="fixed")
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the option, the value and the fix."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -41,7 +43,8 @@ def test_not_a_module():
             ValueError,
             "bucket_layout must be one of 'learned', 'fixed', 'tuned', got 'sorted'",
         ),
-        ({"bucket_layout": "fixed"}, ValueError, 'bucket_layout="fixed" needs a bucket_cap_mb'),
+        ({"tied_split": "yes"}, TypeError, "tied_split must be True, False or None, got 'yes'"),
+        ({"gradient_as_bucket_view": 1}, TypeError, "gradient_as_bucket_view must be True or False, got 1"),
         (
             {"ignored_modules": [nn.Linear(2, 2), "head"]},
             TypeError,
@@ -66,13 +69,13 @@ def test_needs_an_initialized_process_group():
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
-def test_ddp_only_flags_warn():
-    with pytest.warns(UserWarning, match="find_unused_parameters=True has no effect"):
-        with pytest.raises(RuntimeError, match="init_process_group"):
-            replicate(MLP(), find_unused_parameters=True)
-    with pytest.warns(UserWarning, match="static_graph=True has no effect"):
-        with pytest.raises(RuntimeError, match="init_process_group"):
-            replicate(MLP(), static_graph=True)
+def test_ddps_layout_flags_are_taken_without_a_warning():
+    # find_unused_parameters / static_graph choose DDP's bucket layout for them (tests/test_ddp_bits.py)
+    for option in ("find_unused_parameters", "static_graph"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeError, match="init_process_group"):
+                replicate(MLP(), **{option: True})
 
 
 def shapes_differ(rank, world_size):

@@ -6,7 +6,10 @@ next forward) until the GPU has caught up. DDP at its defaults makes none in
 a step. Here every such call made from the library's own code during steady
 steps is counted, by wrapping the methods for the duration, in the patterns
 a GPU job runs: a plain MLP, BatchNorm (buffers broadcast), gradient
-accumulation under ``no_sync``, mixed precision and a comm hook: none.
+accumulation under ``no_sync``, mixed precision, a comm hook and a tied
+embedding (reduced whole in its bucket at default options, as DDP's): none.
+``nonzero`` and an event's ``synchronize`` are counted too (the sync-debug
+mode does not see the latter).
 
 The summed flags are read a step late, from a host copy made without waiting
 ([Note: flags read a step late] in reducer/flags.py). What still reads, and
@@ -30,7 +33,9 @@ import torchreplicate
 from torchreplicate import replicate
 
 PACKAGE = os.path.dirname(torchreplicate.__file__)
-READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+# waits the sync-debug mode does not see: an event's host wait (torch.Event, and CUDA's own class)
+EVENTS = tuple(cls for cls in (torch.Event, getattr(torch.cuda, "Event", None)) if cls is not None)
 
 
 @contextlib.contextmanager
@@ -40,7 +45,8 @@ def counting_reads() -> Iterator[collections.Counter[str]]:
 
     counts: collections.Counter[str] = collections.Counter()
     originals: dict[str, Any] = {name: getattr(torch.Tensor, name) for name in READS}
-    original_equal = torch.equal
+    original_equal, original_nonzero = torch.equal, torch.nonzero
+    event_waits = {cls: cls.synchronize for cls in EVENTS}
 
     def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -55,26 +61,38 @@ def counting_reads() -> Iterator[collections.Counter[str]]:
     for name, fn in originals.items():
         setattr(torch.Tensor, name, counted(name, fn))
     torch.equal = counted("torch.equal", original_equal)  # type: ignore[assignment]
+    torch.nonzero = counted("torch.nonzero", original_nonzero)  # type: ignore[assignment]
+    for cls, fn in event_waits.items():
+        cls.synchronize = counted("Event.synchronize", fn)  # type: ignore[method-assign]
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(torch.Tensor, name, fn)
         torch.equal = original_equal  # type: ignore[assignment]
+        torch.nonzero = original_nonzero  # type: ignore[assignment]
+        for cls, fn in event_waits.items():
+            cls.synchronize = fn  # type: ignore[method-assign]
 
 
 class Net(nn.Module):
-    """An MLP with an optional BatchNorm and a head a step may leave unused."""
+    """An MLP with an optional BatchNorm and a head a step may leave unused; ``tied``: an embedding
+    whose table is also the output projection (GPT-2's tied LM head)."""
 
-    def __init__(self, norm: bool) -> None:
+    def __init__(self, norm: bool, tied: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 32) if tied else None
         self.inp = nn.Linear(32, 32)
         self.norm = nn.BatchNorm1d(32) if norm else nn.Identity()
-        self.out = nn.Linear(32, 4)
-        self.aux = nn.Linear(32, 4)
+        self.out = nn.Linear(32, 32 if tied else 4)
+        self.aux = nn.Linear(32, 32 if tied else 4)
+        if self.embed is not None:
+            self.out.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor, aux: bool = True) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed((x.abs() * 10).long().clamp(max=31)).mean(1)
         h = torch.relu(self.norm(self.inp(x)))
         return self.out(h) + self.aux(h) if aux else self.out(h)
 
@@ -86,7 +104,9 @@ def reads_by_step(rank: int, world_size: int, pattern: str, **options: Any) -> l
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = replicate(Net(norm=pattern != "bf16"), **options)  # (BatchNorm's fp32 statistics refuse bf16)
+    model = replicate(
+        Net(norm=pattern != "bf16", tied=pattern.startswith("tied")), **options
+    )  # (BatchNorm's fp32 statistics refuse bf16)
     if pattern == "hook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -95,7 +115,7 @@ def reads_by_step(rank: int, world_size: int, pattern: str, **options: Any) -> l
 
     def step(i: int) -> None:
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * i + rank))
-        aux = not (pattern == "unused" and i == 4 and rank == 1)  # rank 1 leaves the head unused once
+        aux = not (pattern.endswith("unused") and i == 4 and rank == 1)  # rank 1 leaves the head unused once
         if pattern == "accumulation":
             with model.no_sync():
                 model(x).float().pow(2).mean().backward()
@@ -113,7 +133,7 @@ def reads_by_step(rank: int, world_size: int, pattern: str, **options: Any) -> l
     return per_step
 
 
-@pytest.mark.parametrize("pattern", ["plain", "batchnorm", "accumulation", "bf16", "hook"])
+@pytest.mark.parametrize("pattern", ["plain", "batchnorm", "accumulation", "bf16", "hook", "tied"])
 def test_no_host_read_in_a_steady_step(pools, pattern):
     for rank, per_step in enumerate(pools.run(2, reads_by_step, pattern)):
         assert per_step == [{}, {}, {}], (
@@ -125,9 +145,10 @@ def test_no_host_read_in_a_steady_step(pools, pattern):
 def test_reads_come_only_where_a_parameter_is_unused_here_or_with_graph_dynamic(pools):
     # step 4: rank 1 leaves the head unused, so it reads the head's counts (does
     # any rank hold a gradient for it?) before setting .grad; rank 0 used it: no read
-    unused = pools.run(2, reads_by_step, "unused")
-    assert unused[0] == [{}, {}, {}], unused[0]
-    assert unused[1] == [{}, {"reducer/flags.py:unused_everywhere (tolist)": 1}, {}], unused[1]
+    for pattern in ("unused", "tied_unused"):
+        unused = pools.run(2, reads_by_step, pattern)
+        assert unused[0] == [{}, {}, {}], (pattern, unused[0])
+        assert unused[1] == [{}, {"reducer/flags.py:unused_everywhere (tolist)": 1}, {}], (pattern, unused[1])
     # graph="dynamic": the flags are read at the end of every step, on every rank
     for per_step in pools.run(2, reads_by_step, "batchnorm", graph="dynamic"):
         assert per_step == [{"reducer/flags.py:read (tolist)": 1}] * 3, per_step

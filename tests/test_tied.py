@@ -1,6 +1,8 @@
 """Tied parameters: the detached first use is reduced by rows, the rest in its bucket, early.
 
-[Note: tied parameters] in reducer/tied_rows.py. Every check is against a
+[Note: tied parameters] in reducer/tied_rows.py: an opt-in (``tied_split=True``, or a tuned layout
+that finds it pays); at default options a tied parameter is reduced whole, in its bucket, as DDP's
+(tests/test_ddp_bits.py). Every check is against a
 single process on the global batch (or DDP), never against the replica itself.
 """
 
@@ -74,7 +76,8 @@ def train_tied(rank: int, world_size: int, uses: Optional[list[list[str]]] = Non
     """Every step's gradients equal one process on the global batch; the tied bucket leaves early."""
     model = seeded(TinyGPT, 7 + rank)
     reference = seeded(TinyGPT, 7)
-    replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)  # the table (2 KiB) in a bucket of its own
+    # the table (2 KiB) in a bucket of its own; the split is an opt-in (DDP reduces the table whole)
+    replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, tied_split=True)
     state = replicate.state(model)
     assert state.reducer is not None
     assert [slot.name for slot in state.reducer.tied_rows.slots] == ["wte.weight"], "the tied table is split"
@@ -124,7 +127,7 @@ def checkpointed_root(rank: int, world_size: int, reentrant: bool) -> None:
     where the tied uses must not be detached a second time; every step equals the reference."""
     model = seeded(ScaledGPT, 7 + rank)
     reference = seeded(ScaledGPT, 7)
-    replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    replicate(model, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, tied_split=True)
     reducer = replicate.state(model).reducer
     assert reducer is not None and [slot.name for slot in reducer.tied_rows.slots] == ["wte.weight"]
     scale = torch.ones((), requires_grad=True)
@@ -147,7 +150,7 @@ def accumulate_tied(rank: int, world_size: int) -> None:
     """no_sync micro-batches, and a forward with sync on whose backward runs with it off."""
     model = seeded(TinyGPT, 3 + rank)
     reference = seeded(TinyGPT, 3)
-    replicate(model)
+    replicate(model, tied_split=True)
     for step in range(3):
         for k in range(2):
             with model.no_sync():
@@ -192,7 +195,7 @@ def against_ddp(rank: int, world_size: int, comm_hook: bool, uneven: bool) -> No
 
     model = seeded(TinyGPT, 5)
     ddp = DDP(seeded(TinyGPT, 5))
-    replicate(model)
+    replicate(model, tied_split=True)
     if comm_hook:
         model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
         ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
@@ -221,7 +224,7 @@ def test_tied_against_ddp(pools, comm_hook, uneven):
 
 def copies(rank: int, world_size: int) -> None:
     model = seeded(TinyGPT, 1)
-    replicate(model)
+    replicate(model, tied_split=True)
     clone = copy.deepcopy(model)
     pickle.loads(pickle.dumps(model))
     t = tokens_of(rank, 0)
@@ -235,7 +238,7 @@ def test_tied_model_copies(pools):
 
 def profiled(rank: int, world_size: int) -> None:
     model = seeded(TinyGPT, 2)
-    replicate(model)
+    replicate(model, tied_split=True)
     t = tokens_of(rank, 0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         loss_of(model(t), t).backward()

@@ -113,9 +113,10 @@ def test_first_step_learns_the_launch_order(pools, cap_mb):
         # by default: learned order, DDP's cap; the launch order puts a's gradient (ready first) first
         assert r.cap_bytes == 25 * 2**20 and r.first_bucket[0].startswith("a."), r
     else:
-        # tiny buckets: the first bucket holds what backward readies first, a's
+        # tiny buckets: the first bucket holds what backward readies first, a's; DDP's first step
+        # reduced one bucket, and its rebuild laid out several
         assert r.first_bucket[0].startswith("a."), r
-        assert r.buckets_after == r.buckets_before, r
+        assert r.buckets_before == 1 and r.buckets_after > 1, r
 
 
 class Chosen(NamedTuple):
@@ -304,7 +305,7 @@ def _gpt_like_policy(bytes_per_s: float) -> LayoutPolicy:
     from torchreplicate.reducer.bucket import make_slots
 
     params = [nn.Parameter(torch.zeros(2 * 2**20))] + [nn.Parameter(torch.zeros(2**18)) for _ in range(18)]
-    policy = LayoutPolicy(make_slots(params, [f"p{i}" for i in range(19)], {}), None, None, 2**20)
+    policy = LayoutPolicy(make_slots(params, [f"p{i}" for i in range(19)], {}), None, None, 2**20, layout="tuned")
     policy.learned = True
     policy.order = list(range(19))
     policy.ready_s = [0.0] + [0.12 * (i + 1) / 18 for i in range(18)]

@@ -23,7 +23,7 @@ from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_insi
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, without_registry
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.core.unwrapped import ReplansOnConversion
-from torchreplicate.ddp_args import refuse_module, refuse_positional, translate, warn_ddp_only_flags
+from torchreplicate.ddp_args import refuse_module, refuse_positional, translate
 from torchreplicate.ddp_surface import OWN_NAMES_WIN, DDPSurface
 from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
@@ -192,10 +192,11 @@ def replicate(
     mesh: Optional[DeviceMesh] = None,
     device_mesh: Optional[DeviceMesh] = None,
     bucket_cap_mb: Optional[float] = None,
-    first_bucket_cap_mb: float = 1,
+    first_bucket_cap_mb: Optional[float] = None,
     bucket_layout: str = "learned",
     graph: str = "learned",
-    gradient_as_bucket_view: bool = True,
+    tied_split: Optional[bool] = None,
+    gradient_as_bucket_view: Optional[bool] = None,
     broadcast_buffers: Optional[bool] = None,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
@@ -235,18 +236,26 @@ def replicate(
         bucket_cap_mb: gradients travel in buckets of about this many MiB.
             Default None: DDP's 25 (with ``bucket_layout="tuned"``: chosen
             from the link, measured in the first step).
-        first_bucket_cap_mb: cap of the first bucket, small so the first
-            collective starts early in backward. Default 1.
-        bucket_layout: ``"learned"`` (default): after the first step, buckets follow the order gradients
-            became ready (as DDP rebuilds its buckets); reproducible, the same bits on every run of a
-            seeded job. ``"fixed"``: reverse registration order at the caps given, never rebuilt, the
-            same on a replica that joins later (torchft; needs ``bucket_cap_mb``). ``"tuned"``
-            (opt-in, like ``torch.backends.cudnn.benchmark``): also times the link in the first step
-            and chooses the cap and the bucket ends from those timings, and whether tied parameters'
-            uses are reduced apart; faster where the network is slower than compute, but the timings
-            decide which gradients are summed together, so a rerun can differ in the last bits.
-            Refused under ``torch.use_deterministic_algorithms(True)`` (a warning with
-            ``warn_only=True``). See tuning.py's [Note: tuning].
+        first_bucket_cap_mb: cap of the first bucket to leave in backward.
+            Default None: DDP's rule, 1 MiB where ``bucket_cap_mb`` is left
+            at its default, else ``bucket_cap_mb`` itself (the opt-in
+            layouts: 1 MiB).
+        bucket_layout: ``"learned"`` (default): DDP's buckets and DDP's arithmetic, so the same
+            seeded job ends with DDP's bits at any number of ranks: the first synchronised step
+            reduces one bucket per dtype and device, later ones the buckets DDP rebuilds in the
+            order gradients became ready ([Note: DDP's buckets] in bucket_plan.py). As under DDP,
+            a run resumed from a checkpoint then differs from an uninterrupted one in the last
+            bits at 3+ ranks (its first step is laid out otherwise). ``"fixed"``: one layout from
+            the first step on, reverse registration order at the caps (DDP's 25 MiB, 1 MiB
+            first, unless given), never rebuilt: a resumed run, or a replica that joins later
+            (torchft), gets the bits of an uninterrupted one, not DDP's. ``"tuned"`` (opt-in,
+            like ``torch.backends.cudnn.benchmark``): also times the link in the first step and
+            chooses the cap and the bucket ends from those timings, and reduces a tied
+            parameter's uses apart (its embedding's rows after the buckets) where that pays;
+            faster where the network is slower than compute, but the timings decide which
+            gradients are summed together, so a rerun can differ in the last bits. Refused under
+            ``torch.use_deterministic_algorithms(True)`` (a warning with ``warn_only=True``). See
+            tuning.py's [Note: tuning].
         graph: ``"learned"`` (default): the first synchronised step learns how
             often each parameter's gradient arrives; later steps read the
             summed flags one step late, so a step makes no host read (on a
@@ -257,17 +266,35 @@ def replicate(
             host read per step), and such gradients are reduced by a late
             round at any step. Unused parameters work either way. See
             flags.py's [Note: flags read a step late].
-        gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
-            saving one copy of the gradients in memory. Default True.
+        tied_split: reduce a tied parameter's first use (a GPT's token
+            embedding, tied to its LM head) apart, by the rows its batch
+            touched, so the parameter's bucket leaves during backward instead
+            of at its end: faster where the link is the step, but not DDP's
+            bits (DDP reduces the parameter whole). Default None: only under
+            ``bucket_layout="tuned"``, where its first step finds it pays;
+            True: always (the same on every run); False: never. See
+            tied_rows.py's [Note: tied parameters].
+        gradient_as_bucket_view: where ``.grad`` lives, with DDP's arithmetic
+            for the same argument. Default None: each ``.grad`` is a view
+            into its bucket (no second copy of the gradients), summed with
+            DDP's default arithmetic (every gradient multiplied by 1 / world
+            size on its way into the bucket). True: views too, with DDP's
+            arithmetic for ``gradient_as_bucket_view=True`` (a ``.grad``
+            that already is its view, under ``zero_grad(set_to_none=False)``,
+            is divided in place, as DDP's). False: ``.grad`` kept apart and
+            copied, as DDP's default.
         broadcast_buffers: give every rank rank 0's buffers (e.g. BatchNorm
             statistics) at set-up and before forwards, by DDP's rules
             ([Note: buffer sync] in core/buffers.py); False: never, not even
             at set-up (DDP's ``forward_sync_buffers=False`` keeps the set-up
             broadcast). Default None: True (DDP 2.13's default spelling).
-        find_unused_parameters: accepted for DDP call sites; unused
-            parameters are always handled, so True only warns. Default False.
-        static_graph: accepted for DDP call sites; the reducer learns the
-            graph by itself, so True only warns. Default False.
+        find_unused_parameters: unused parameters are always handled (no
+            rank needs this to train); True lays the buckets out as DDP
+            does for it (registration order, never rebuilt), so the job
+            keeps DDP's bits. Default False.
+        static_graph: the graph is always learned; True rebuilds the
+            buckets from the second step's order, as DDP does for it, so
+            the job keeps DDP's bits. Default False.
         reduce_dtype: dtype gradients travel in (e.g. ``torch.bfloat16``,
             half the bytes); results are written back in the parameters'
             dtype. Default None: the parameters' own dtype.
@@ -318,6 +345,7 @@ def replicate(
         first_bucket_cap_mb=first_bucket_cap_mb,
         bucket_layout=bucket_layout,
         graph=graph,
+        tied_split=tied_split,
         gradient_as_bucket_view=gradient_as_bucket_view,
         broadcast_buffers=broadcast,
         init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
@@ -330,7 +358,6 @@ def replicate(
         mp_policy=mp_policy,
     )
     refuse_module(module, config.ignored_modules, config.device_id)
-    warn_ddp_only_flags(find_unused_parameters, static_graph)
     return _attach_state(module, config, process_group, keep_local_values=not options["init_sync"])
 
 

@@ -25,6 +25,7 @@ BUCKET_LAYOUTS = ("learned", "fixed", "tuned")  # replicate(bucket_layout=...): 
 GRAPHS = ("learned", "dynamic")  # replicate(graph=...): [Note: flags read a step late] in reducer/flags.py
 MiB = 1024 * 1024
 DDP_DEFAULT_CAP_MB = 25  # DDP's bucket_cap_mb default, ours unless bucket_layout="tuned" measures the link
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES: DDP's first bucket
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,11 @@ class ReplicateConfig:
     ignored_modules: tuple[nn.Module, ...] = ()
     device_id: Optional[torch.device] = None
     bucket_cap_mb: Optional[float] = None  # None: DDP's 25 MiB, or chosen from timings when "tuned"
-    bucket_layout: str = "learned"  # "fixed": never rebuilt; "tuned": from timings ([Note: tuning])
-    first_bucket_cap_mb: float = 1.0
+    bucket_layout: str = "learned"  # DDP's buckets; "fixed": never rebuilt; "tuned": from timings ([Note: tuning])
+    first_bucket_cap_mb: Optional[float] = None  # None: DDP's rule (1 MiB, or bucket_cap_mb where given)
     graph: str = "learned"  # "dynamic": the flags are read at the end of every step
-    gradient_as_bucket_view: bool = True
+    tied_split: Optional[bool] = None  # None: only where a tuned layout finds it pays ([Note: tied parameters])
+    gradient_as_bucket_view: Optional[bool] = None  # None: views, with DDP's default arithmetic
     broadcast_buffers: bool = True  # before forwards (DDP's forward_sync_buffers); core/buffers.py
     init_sync_buffers: bool = True  # at set-up: False only for broadcast_buffers=False alone, as DDP
     find_unused_parameters: bool = False
@@ -71,6 +73,21 @@ class ReplicateConfig:
         return int((DDP_DEFAULT_CAP_MB if self.bucket_cap_mb is None else self.bucket_cap_mb) * MiB)
 
     @property
+    def first_cap_bytes(self) -> int:
+        """The first bucket's cap in bytes: ``first_bucket_cap_mb``, else DDP's: 1 MiB where
+        ``bucket_cap_mb`` is left at its default, else the cap itself (the opt-in layouts: 1 MiB)."""
+        if self.first_bucket_cap_mb is not None:
+            return int(self.first_bucket_cap_mb * MiB)
+        if self.bucket_layout == "learned" and self.bucket_cap_mb is not None:
+            return int(self.bucket_cap_mb * MiB)
+        return DDP_FIRST_BUCKET_BYTES
+
+    @property
+    def views(self) -> bool:
+        """Whether each ``.grad`` is a view into its bucket (``gradient_as_bucket_view`` True or None)."""
+        return self.gradient_as_bucket_view is not False
+
+    @property
     def stall_timeout_s(self) -> Optional[float]:
         """``stall_timeout`` in seconds; None: the watchdog is off."""
         value = self.stall_timeout
@@ -84,6 +101,9 @@ class ReplicateConfig:
             "bucket_layout": self.bucket_layout,
             "graph": self.graph,
             "first_bucket_cap_mb": str(self.first_bucket_cap_mb),
+            "find_unused_parameters": str(self.find_unused_parameters),
+            "static_graph": str(self.static_graph),
+            "tied_split": str(self.tied_split),
             "reduce_dtype": str(self.wire_dtype),
             "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
             "broadcast_buffers": str(self.broadcast_buffers),
@@ -106,8 +126,13 @@ class ReplicateConfig:
         switches = ("gradient_as_bucket_view", "broadcast_buffers", "init_sync_buffers", "find_unused_parameters")
         for option in (*switches, "static_graph"):
             value = getattr(self, option)
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (option == "gradient_as_bucket_view" and value is None):
                 raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
+        if self.tied_split is not None and not isinstance(self.tied_split, bool):
+            raise TypeError(
+                f"replicate(): tied_split must be True, False or None, got {self.tied_split!r}; None (the "
+                'default) splits only under bucket_layout="tuned", where it pays'
+            )
 
     def _check_layout(self) -> None:
         if self.bucket_layout not in BUCKET_LAYOUTS:
@@ -125,11 +150,6 @@ class ReplicateConfig:
                 'the summed flags a step late (no host read in a step), "dynamic" reads them at the end of '
                 "every step, for graphs whose gradients arrive more often than in the first step"
             )
-        if self.bucket_layout == "fixed" and self.bucket_cap_mb is None:
-            raise ValueError(
-                'replicate(): bucket_layout="fixed" needs a bucket_cap_mb (a fixed layout is set by the '
-                "caps you give, once); pass e.g. bucket_cap_mb=25"
-            )
         if self.bucket_layout == "tuned":
             if self.bucket_cap_mb is not None:
                 raise ValueError(
@@ -142,8 +162,8 @@ class ReplicateConfig:
     def _check_sizes(self) -> None:
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)
-            if option == "bucket_cap_mb" and value is None:
-                continue  # DDP's 25 MiB, or measured when tuned
+            if value is None:
+                continue  # DDP's: 25 MiB (measured when tuned), and its first-bucket rule
             if not _is_positive_finite(value):
                 raise ValueError(
                     f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "

@@ -66,19 +66,6 @@ def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) ->
     warnings.warn(f"replicate(): {option}={value!r} has no effect: {why}", UserWarning, stacklevel=stacklevel)
 
 
-def warn_ddp_only_flags(find_unused_parameters: bool, static_graph: bool) -> None:
-    """Warns about DDP flags that replicate() accepts but does not need (pointing at replicate()'s caller).
-
-    Args:
-        find_unused_parameters: as given to ``replicate()``.
-        static_graph: as given to ``replicate()``.
-    """
-    if find_unused_parameters:
-        warn_no_effect("find_unused_parameters", True, "unused parameters are always handled, at no cost", stacklevel=4)
-    if static_graph:
-        warn_no_effect("static_graph", True, "the reducer learns the graph from the first steps", stacklevel=4)
-
-
 def refuse_positional(positional: tuple[Any, ...]) -> None:
     """Refuses options given by position, naming the keyword each one should be.
 
@@ -306,7 +293,7 @@ def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module
 _OWN_NAMES = (  # replicate()'s own, for "did you mean"
     *("broadcast_buffers", "process_group", "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view"),
     *("static_graph", "device_mesh", "mesh", "device_id", "ignored_modules", "first_bucket_cap_mb", "mp_policy"),
-    *("reduce_dtype", "gradient_divide_factor", "stall_timeout"),
+    *("reduce_dtype", "gradient_divide_factor", "stall_timeout", "bucket_layout", "graph", "tied_split"),
 )
 
 _HANDLERS: dict[str, Callable[[Any, dict[str, Any], nn.Module], None]] = {

@@ -206,7 +206,7 @@ def _first_device(state: ReplicateState) -> torch.device:
 
 def _first_cap_is_smaller(state: ReplicateState) -> bool:
     # DDP's definition: the first bucket's cap is below the others' (in DDP, only with its default caps).
-    return int(state.config.first_bucket_cap_mb * MiB) < _bucket_bytes_cap(state)
+    return state.config.first_cap_bytes < _bucket_bytes_cap(state)
 
 
 _READ_ONLY = "DDP's configuration, fixed at construction: {}"
@@ -225,9 +225,8 @@ class DDPInternals:
         is_multi_device_module: whether the replicated parameters sit on
             more than one device.
         bucket_bytes_cap_default: whether the first bucket's cap is below the
-            others' (DDP's definition; in DDP only with its default caps, here
-            also with ``bucket_cap_mb=`` given, as ``first_bucket_cap_mb``
-            still applies).
+            others' (DDP's definition: with its default caps; here also with
+            a smaller ``first_bucket_cap_mb=`` given).
 
     DDP's ``reducer``, ``logger``, ``to_kwargs``, ``broadcast_bucket_size``,
     ``bucket_bytes_cap_list``, ``skip_all_reduce_unused_params``,
@@ -315,11 +314,13 @@ class DDPSurface(DDPInternals):
         broadcast_buffers / forward_sync_buffers: buffers broadcast before
             forwards; settable at run time, as on DDP.
         find_unused_parameters / static_graph: as given; unused parameters
-            and changing graphs are always handled, so neither changes anything.
+            and changing graphs are always handled, and either lays the
+            buckets out as DDP does for it.
         require_backward_grad_sync: gradient sync on (True) or off (no_sync).
         require_forward_param_sync: whether the next forward broadcasts
             buffers (the last one ran with gradient sync on), as DDP's.
-        gradient_as_bucket_view: as given (default True here, False in DDP).
+        gradient_as_bucket_view: whether ``.grad`` is a view into its bucket
+            (True unless ``gradient_as_bucket_view=False`` was given; DDP's default is False).
         bucket_bytes_cap: the bucket cap in bytes now in use (tuned, or as given).
         device_type: the parameters' device type (``"cpu"``, ``"cuda"``).
         parameters_to_ignore: names of the parameters and buffers left alone.
@@ -335,15 +336,12 @@ class DDPSurface(DDPInternals):
     broadcast_buffers = _DDPAttribute(lambda s: s.buffer_sync.before_forward, _set_before_forward)
     forward_sync_buffers = _DDPAttribute(lambda s: s.buffer_sync.before_forward, _set_before_forward)
     find_unused_parameters = _DDPAttribute(
-        lambda s: s.config.find_unused_parameters, instead="unused parameters are always handled; nothing to set"
+        lambda s: s.config.find_unused_parameters,
+        instead=_FIXED.format("find_unused_parameters= (unused parameters are always handled; it sets DDP's layout)"),
     )
-    static_graph = _DDPAttribute(
-        lambda s: s.config.static_graph, instead="call model._set_static_graph(), as on DDP (it changes nothing here)"
-    )
+    static_graph = _DDPAttribute(lambda s: s.config.static_graph, instead="call model._set_static_graph(), as on DDP")
     require_forward_param_sync = _DDPAttribute(lambda s: s.buffer_sync.due, _set_due)
-    gradient_as_bucket_view = _DDPAttribute(
-        lambda s: s.config.gradient_as_bucket_view, instead=_FIXED.format("gradient_as_bucket_view=")
-    )
+    gradient_as_bucket_view = _DDPAttribute(lambda s: s.config.views, instead=_FIXED.format("gradient_as_bucket_view="))
     bucket_bytes_cap = _DDPAttribute(_bucket_bytes_cap, instead=_FIXED.format("bucket_cap_mb=, in MiB"))
     device_type = _DDPAttribute(_device_type, instead="move the model with model.to(device)")
     parameters_to_ignore = _DDPAttribute(
@@ -423,7 +421,8 @@ class DDPSurface(DDPInternals):
         return gather(outputs, output_device, dim=self.dim)
 
     def _set_static_graph(self) -> None:
-        """DDP's: declares the graph static. Accepted, and changes nothing: the reducer learns the graph.
+        """DDP's: declares the graph static. Accepted; the reducer learns the graph, and the bucket layout
+        stays as built (pass ``replicate(static_graph=True)`` for DDP's layout under a static graph).
 
         Raises:
             RuntimeError: after training started (unless already set), as DDP (DDP's message first).
@@ -474,7 +473,7 @@ class DDPSurface(DDPInternals):
             "broadcast_buffers": int(state.buffer_sync.before_forward),
             "bucket_cap_bytes": _bucket_bytes_cap(state),
             "find_unused_parameters": int(state.config.find_unused_parameters),
-            "gradient_as_bucket_view": int(state.config.gradient_as_bucket_view),
+            "gradient_as_bucket_view": int(state.config.views),
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
             "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),

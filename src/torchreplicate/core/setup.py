@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.config import MiB, ReplicateConfig
+from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.buffers import broadcast_coalesced
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
@@ -201,20 +201,23 @@ def build_reducer(
     learned = learned or Learned({}, 0)
     slots = make_slots(plan.params, plan.names, learned.expected)
     dense = [slot for slot in slots if id(slot.param) not in plan.sparse]
-    tied = to_split(root, plan, reduction, mixed)
+    split = config.tied_split if config.tied_split is not None else config.bucket_layout == "tuned"
+    tied = to_split(root, plan, reduction, mixed) if split else frozenset()
     policy = LayoutPolicy(
         dense,
         plan.param_groups,
         config.cap_bytes,
-        int(config.first_bucket_cap_mb * MiB),
-        fixed=config.bucket_layout == "fixed",
+        config.first_cap_bytes,
+        layout=config.bucket_layout,
+        find_unused=config.find_unused_parameters,
+        static_graph=config.static_graph,
     )
     return Reducer(
         slots,
         group,
         policy=policy,
         sparse=SparseGrads([slot for slot in slots if id(slot.param) in plan.sparse]),
-        tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], sync),
+        tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], sync, priced=config.tied_split is None),
         bucket_kind=bucket_kind(config.gradient_as_bucket_view),
         reduction=reduction,
         lifecycle=lifecycle,

@@ -76,6 +76,7 @@ class ParamSlot:
         "hook",
         "fired",
         "absorbed",
+        "moved",
         "held",
     )
 
@@ -102,6 +103,9 @@ class ParamSlot:
         # the view holds this rank's contribution as the reduction wants it
         # (scaled on the way in), so nothing is left to do before launch
         self.absorbed = False
+        # the view holds a gradient moved in from a .grad of its own (no_sync, the end of backward):
+        # DDP would have copied it in, multiplied, where it divides a .grad that is its view in place
+        self.moved = False
         self.held: Optional[torch.Tensor] = None  # copy layout: .grad set aside while the bucket is in flight
 
     def plain(self, grad: torch.Tensor) -> torch.Tensor:
@@ -135,19 +139,17 @@ class Bucket:
         slots: the parameters, in buffer order; each gets its ``bucket`` and ``view``.
         dtype: dtype of every gradient in the bucket.
         device: device of every gradient in the bucket.
-        extra: elements reserved after the gradients (the flags' room, last
-            bucket only: [Note: one collective sequence] in reducer.py).
     """
 
-    def __init__(
-        self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device, extra: int = 0
-    ) -> None:
+    divides_views = False  # a .grad that is its view is divided in place, as DDP with gradient_as_bucket_view=True
+
+    def __init__(self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device) -> None:
         # - Layout
         self.index = index
         self.slots = list(slots)
         numel = sum(local(slot.param).numel() for slot in self.slots)
-        self.buffer = torch.zeros(numel + extra, dtype=dtype, device=device)  # gradients, then `extra`
-        self.grads = self.buffer[:numel]  # the gradient part: what comm hooks and the late round see
+        self.buffer = torch.zeros(numel, dtype=dtype, device=device)
+        self.grads = self.buffer  # what comm hooks and the late round see
         offset = 0
         for slot in self.slots:
             shard = local(slot.param)
@@ -175,7 +177,7 @@ class Bucket:
 
     @property
     def numel(self) -> int:
-        """Number of gradient elements (the flags' room excluded)."""
+        """Number of gradient elements."""
         return self.grads.numel()
 
     def bind(self, reduction: Communication, scale: Optional[torch.Tensor]) -> None:
@@ -191,7 +193,7 @@ class Bucket:
         self.work = None
         for slot in self.slots:
             slot.fired = 0
-            slot.absorbed = False
+            slot.absorbed = slot.moved = False
             slot.held = None
 
     # -- one synchronised backward ------------------------------------------
@@ -236,16 +238,8 @@ class Bucket:
         count) or from the end of backward (after ``fill``); the bucket holds the work."""
         if from_hook:
             self._detach()
-        scale = self.scale
-        # the slots filled in place are scaled now ([Note: the mean is taken on the way in] in reduction.py)
-        if scale is not None:
-            done = sum([slot.absorbed for slot in self.slots])
-            if done == 0:
-                self.grads.mul_(scale)
-            elif done < len(self.slots):
-                for slot in self.slots:
-                    if not slot.absorbed:
-                        slot.view.mul_(scale)
+        if self.scale is not None:
+            self._scale_in_place()
         self.launched, self.from_hook = True, from_hook
         assert self.reduction is not None, "bound by the reducer"
         self.work = self.reduction.launch(self.index)
@@ -278,6 +272,24 @@ class Bucket:
 
     def adopt_grads(self) -> None:
         """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
+
+    def _scale_in_place(self) -> None:
+        # At launch, the slots not scaled on the way in ([Note: the mean is taken on the way in] in
+        # reduction.py), with DDP's arithmetic: a gradient DDP copies into its bucket view is multiplied
+        # by 1 / divide_factor; one that already is its view (gradient_as_bucket_view=True) is divided.
+        scale, divide = self.scale, self.divides_views
+        assert scale is not None, "launch scales only where the reduction wants it"
+        if not divide and not any(slot.absorbed for slot in self.slots):
+            self.grads.mul_(scale)  # one pass over the bucket: the usual case
+            return
+        factor = self.reduction.divide_factor  # type: ignore[union-attr]  # bound before any launch
+        for slot in self.slots:
+            if slot.absorbed:
+                continue
+            if divide and not slot.moved:
+                slot.view.div_(factor)
+            else:
+                slot.view.mul_(scale)
 
     # -- where .grad lives: the two layouts -----------------------------------
 
@@ -372,6 +384,7 @@ class ViewBucket(Bucket):
         assert grad is not None, "the hook runs after an accumulation into .grad"
         if grad is not slot.grad_obj:
             slot.view.copy_(slot.plain(grad))
+            slot.moved = True
             param.grad = slot.grad_obj
 
     def _absorb(self, slot: ParamSlot) -> None:
@@ -404,6 +417,7 @@ class ViewBucket(Bucket):
             return False
         if grad is not slot.grad_obj:
             slot.view.copy_(slot.plain(grad))  # scaled with the bucket at launch
+            slot.moved = True
         return True
 
     def restore(self, unused_everywhere: frozenset[int], any_late: bool) -> LateGrads:
@@ -457,6 +471,16 @@ class CopyBucket(Bucket):
             local(param.grad).copy_(slot.view)
 
 
-def bucket_kind(gradient_as_bucket_view: bool) -> type[Bucket]:
-    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives."""
-    return ViewBucket if gradient_as_bucket_view else CopyBucket
+class DividingViewBucket(ViewBucket):
+    """A ``ViewBucket`` with DDP's ``gradient_as_bucket_view=True`` arithmetic: a ``.grad`` that already
+    is its view when the bucket leaves (``zero_grad(set_to_none=False)``) is divided in place."""
+
+    divides_views = True
+
+
+def bucket_kind(gradient_as_bucket_view: Optional[bool]) -> type[Bucket]:
+    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives, and
+    DDP's arithmetic for the same argument (None, the default: views, with DDP's default arithmetic)."""
+    if gradient_as_bucket_view is None:
+        return ViewBucket
+    return DividingViewBucket if gradient_as_bucket_view else CopyBucket

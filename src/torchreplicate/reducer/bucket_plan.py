@@ -6,7 +6,8 @@ process group. The reducer turns a plan into flat buffers.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import sys
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -89,6 +90,83 @@ def plan_buckets(
     # every rank, since it depends only on the inputs.
     filler.close_all()
     return filler.buckets
+
+
+def ddp_buckets(
+    numels: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    devices: Sequence[torch.device],
+    limits: Sequence[int],
+    *,
+    order: Optional[Sequence[int]] = None,
+    groups: Optional[Sequence[int]] = None,
+) -> list[BucketSpec]:
+    """DDP 2.13's bucket assignment, so that every all-reduce sums the same bytes at the same offsets.
+
+    [Note: DDP's buckets]
+    DDP's reducer (torch/csrc/distributed/c10d/reducer.cpp,
+    ``compute_bucket_assignment_by_size``, read at torch 2.13) visits the
+    parameters in registration order (or, when it rebuilds, in the order their
+    gradients became ready), keeps one open bucket per (dtype, device), each
+    with its own walk along ``limits``, and closes a bucket once its bytes
+    reach its current limit; the walk then moves to the next limit (staying on
+    the last). Buckets still open at the end follow the closed ones. In
+    registration order the buckets are sorted by their smallest index and
+    DDP's Python side reverses them (the last layers' gradients come first);
+    in ready order they stay as closed, the open ones after them in the order
+    of the C++ map (libstdc++: the key seen last first). Inside a bucket the
+    parameters keep the visiting order. DDP's limits: ``[sys.maxsize]`` for
+    the first iteration (one bucket per dtype and device) unless
+    ``find_unused_parameters=True``; ``[first, cap]`` when it rebuilds, after
+    the first iteration; the first bucket's cap is 1 MiB only where
+    ``bucket_cap_mb`` was left at its default, else the cap itself. Nested
+    ``replicate()`` groups (``groups``) are part of the key here; DDP has none.
+
+    Args:
+        numels: number of elements of each parameter.
+        dtypes: dtype of each parameter.
+        devices: device of each parameter.
+        limits: bucket size limits in bytes, walked per (dtype, device).
+        order: the visiting order (a permutation); None: registration order, then reversed.
+        groups: a group id per parameter (nested ``replicate()``), or None.
+
+    Returns:
+        The buckets, in launch order. Every parameter appears in exactly one.
+    """
+    visit = _checked_order(numels, dtypes, devices, order, groups)
+    if order is None:
+        visit = range(len(numels))
+    if not limits or min(limits) <= 0:
+        raise ValueError(f"ddp_buckets: limits must be positive, got {list(limits)}")
+    open_: dict[tuple[object, ...], tuple[list[int], int]] = {}  # key -> (indices, bytes); first seen first
+    walk: dict[tuple[object, ...], int] = {}  # key -> its position in `limits`
+    closed: list[list[int]] = []
+    for index in visit:
+        key = (dtypes[index], torch.device(devices[index]), 0 if groups is None else groups[index])
+        indices, size = open_.get(key, ([], 0))
+        indices.append(index)
+        size += numels[index] * torch.empty((), dtype=dtypes[index]).element_size()
+        at = walk.setdefault(key, 0)
+        if size >= limits[at]:
+            closed.append(indices)
+            indices, size = [], 0
+            walk[key] = min(at + 1, len(limits) - 1)
+        open_[key] = (indices, size)
+    still_open = [indices for indices, _ in open_.values() if indices]
+    if order is None:
+        buckets = sorted(closed + still_open, key=min)[::-1]
+    else:
+        buckets = closed + still_open[::-1]
+    return [BucketSpec(tuple(b), dtypes[b[0]], torch.device(devices[b[0]]), sum(numels[i] for i in b)) for b in buckets]
+
+
+def ddp_limits(cap_bytes: int, first_cap_bytes: int, *, rebuilt: bool, find_unused: bool) -> list[int]:
+    """DDP's size limits ([Note: DDP's buckets]): before its rebuild (``find_unused`` keeps that layout) or after."""
+    if rebuilt:
+        return [first_cap_bytes, cap_bytes]
+    if not find_unused:
+        return [sys.maxsize]
+    return [first_cap_bytes, cap_bytes] if first_cap_bytes < cap_bytes else [cap_bytes]
 
 
 def _checked_order(

@@ -1,8 +1,12 @@
-"""The flags: what each rank knows alone, summed across ranks with the last bucket.
+"""The flags: what each rank knows alone, summed across ranks in an all-reduce of their own.
 
 See [Note: one collective sequence] in reducer.py. The flags are a few
-elements that travel in the same all-reduce as the last bucket (or, with a
-comm hook, in one all-reduce of their own); every rank reads the same sums,
+elements that travel in a small all-reduce of their own, launched without
+waiting right after the last bucket's (with a comm hook: once every hook's
+future is done), as DDP launches its used-parameters map under
+``find_unused_parameters=True``: the gradient buckets carry nothing else, so
+each bucket's all-reduce sums the bytes DDP's sums, at the same offsets
+([Note: DDP's buckets] in bucket_plan.py). Every rank reads the same sums,
 so every rank takes the same decision.
 
 [Note: desync detection]
@@ -62,13 +66,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchreplicate.errors import desync_error, late_after_learning
+from torchreplicate.reducer.reduction import Waiter, wait_for
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)
@@ -152,15 +157,6 @@ def num_flags(num_params: int) -> int:
     return num_params + 1 + 2 * _RESIDUE_WIDTH
 
 
-def real_view(tail: torch.Tensor) -> torch.Tensor:
-    """The flags as real numbers: a complex bucket's tail carries them in its real parts.
-
-    The imaginary parts stay zero (the buffer starts zeroed and every rank
-    writes only real parts), so the flags' sums read the same in any dtype.
-    """
-    return torch.view_as_real(tail)[..., 0] if tail.is_complex() else tail
-
-
 def one_hot_residues(value: int) -> list[float]:
     """``value`` as one-hot residue blocks, one per modulus in ``MODULI``."""
     out: list[float] = []
@@ -185,28 +181,48 @@ _STAGED_WIDTH = 1 + 2 * _RESIDUE_WIDTH  # what a step late reads: the late flag,
 
 
 class StagedSums:
-    """One reducer's host copy of a step's summed flags, read a step late ([Note: flags read a step late]).
+    """One reducer's summed flags of a step, read a step late ([Note: flags read a step late]).
+
+    On the host (gloo on CPU) the step's all-reduce is not waited for: its
+    work is kept and waited at the next step's end, long done by then, and
+    the sums are read through a NumPy view of the flags' tensor, which the
+    next step leaves alone (``StepFlags`` uses two in turn). On an
+    accelerator the stream waits for the all-reduce, a non-blocking copy
+    takes the sums to pinned host memory, and an event says when it landed.
 
     Args:
-        device: where the flags travel; on an accelerator, the host copy is
-            pinned and made without waiting, with an event that says when it landed.
+        device: where the flags travel.
     """
 
     def __init__(self, device: torch.device) -> None:
         accelerated = device.type != "cpu"
-        self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated)
-        self.values = self.host.numpy()  # read as host memory: no tensor read in a step
-        self.on_device = torch.zeros_like(self.host, device=device) if accelerated else self.host
+        self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated) if accelerated else None
+        self.values: Any = None if self.host is None else self.host.numpy()  # read as host memory
         self.event: Optional[torch.Event] = torch.Event(device) if accelerated else None
+        self.work: Any = None  # on the host: the staged step's all-reduce, waited at the check
         self.step = -1  # the step staged; -1: none
         self.clock = 0
         self.late_params: tuple[str, ...] = ()
 
-    def stage(self, rest: torch.Tensor, step: int, clock: int, late_params: Sequence[str]) -> None:
-        """Copies the summed late flag and residues (``rest``) to the host, without waiting."""
-        self.on_device.copy_(rest)
-        if self.event is not None:
-            self.host.copy_(self.on_device, non_blocking=True)
+    def stage(
+        self,
+        rest: torch.Tensor,
+        host_view: Any,
+        work: Any,
+        waiter: Optional[Waiter],
+        step: int,
+        clock: int,
+        late_params: Sequence[str],
+    ) -> None:
+        """Stages a step's summed late flag and residues (``rest``, being summed by ``work``; None: summed)
+        without waiting on the host; ``host_view``: ``rest`` as a NumPy array (host flags only)."""
+        if self.event is None:
+            self.work, self.values = work, host_view
+        else:
+            assert self.host is not None
+            if work is not None:
+                wait_for(work, waiter)  # on an accelerator: the stream waits, not the host
+            self.host.copy_(rest, non_blocking=True)
             self.event.record()
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
@@ -225,6 +241,9 @@ class StagedSums:
             return  # nothing staged
         if self.event is not None:
             self.event.synchronize()  # recorded a step ago: done, unless the device runs a step behind
+        elif self.work is not None:
+            work, self.work = self.work, None
+            work.wait()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
         raise_on_desync(rest, group, self.clock, layout_digest, step)
         if rest[0] > 0:
@@ -242,41 +261,53 @@ def raise_on_desync(
 
 
 class StepFlags:
-    """Writes this rank's flags into ``tail`` and reads the sums back.
+    """Writes this rank's flags, sums them across ranks, and reads the sums back.
 
     Layout: element ``i < num_params`` is 1 where this rank holds a gradient
     for parameter ``i``; element ``num_params`` is 1 where a gradient arrived
     after its bucket was launched (a late round follows); then the residues
     of the training clock and of the layout digest ([Note: desync detection]).
+    Two tensors of them, used in turn: a step's sums may be read at the end
+    of the next step (``StagedSums``) while that step sums the other.
 
     Args:
-        tail: where the flags travel (``num_flags(num_params)`` elements).
+        device: where the flags travel (the last bucket's device).
         num_params: number of reduced parameters.
         layout_digest: a digest of the bucket layout, equal on ranks that agree.
         clock: the module's training clock, sent at every write.
     """
 
-    def __init__(self, tail: torch.Tensor, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
-        assert tail.numel() == num_flags(num_params), (tail.numel(), num_params)
-        # a view into the last bucket's wire (its real parts if complex), or the hook path's own tensor
-        self.tail = real_view(tail)
+    def __init__(self, device: torch.device, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
         self.num_params = num_params
         self.clock = clock
         self.layout_digest = layout_digest
+        self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
+        self.turn = 0  # the tensor this step writes and sums
+        # on the host, each tensor's sums a step late, as NumPy views made once (no tensor read in a step)
+        self.host_views = [t[num_params:].numpy() for t in self.tensors] if device.type == "cpu" else [None, None]
         # An ordinary step: a gradient for every parameter, nothing late; the
         # clock's residues are written at each step, the layout's once here.
-        self.ordinary = torch.ones_like(self.tail)
+        self.ordinary = torch.ones_like(self.tensors[0])
         self.ordinary[num_params:] = 0
         layout_at = num_params + 1 + _RESIDUE_WIDTH
-        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=self.tail.dtype)
+        self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=torch.float32)
         # Every clock's residues, on the flags' device, made once: residues repeat with the
         # product of the moduli, so writing the clock is a device copy of one row, never a
         # host-to-device copy in the step (on a GPU, a synchronisation from pageable memory)
         rows = [one_hot_residues(value) for value in range(_PERIOD)]
-        self.clock_rows = torch.tensor(rows, dtype=self.tail.dtype, device=self.tail.device)
+        self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
 
-    def write(self, unused_here: Sequence[int], late: bool) -> None:
-        """Fills the tail with this rank's flags (and the clock as it is now)."""
+    @property
+    def tail(self) -> torch.Tensor:
+        """This step's flags (summed in place by their all-reduce)."""
+        return self.tensors[self.turn]
+
+    def nbytes(self) -> int:
+        """Bytes of one step's flags."""
+        return self.tail.numel() * self.tail.element_size()
+
+    def send(self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup) -> dist.Work:
+        """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work."""
         tail = self.tail
         tail.copy_(self.ordinary)
         at = self.num_params + 1
@@ -285,9 +316,14 @@ class StepFlags:
             tail[torch.tensor(unused_here, device=tail.device)] = 0
         if late:
             tail[self.num_params] = 1
+        return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))  # waited through the watchdog
+
+    def send_zeros(self, group: dist.ProcessGroup) -> dist.Work:
+        """A joined rank's flags: zeros, summed with the others' ([Note: join] in core/join.py)."""
+        return cast(dist.Work, dist.all_reduce(self.tail.zero_(), group=group, async_op=True))
 
     def read(self, unused_here: Sequence[int], group: Callable[[], dist.ProcessGroup], step: int) -> FlagSums:
-        """Reads the summed flags (after the all-reduce) at the end of ``step``.
+        """Reads the summed flags (their all-reduce waited) at the end of ``step``.
 
         Raises:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
@@ -299,17 +335,26 @@ class StepFlags:
     def stage(
         self,
         staged: StagedSums,
+        work: Any,
+        waiter: Optional[Waiter],
         step: int,
         unused_here: Sequence[int],
         late_params: Sequence[str],
         group: Callable[[], dist.ProcessGroup],
     ) -> FlagSums:
         """Reads the sums the last step staged (``StagedSums.check``: raises what they say), stages
-        this step's for the next step's end, and returns what this step needs now: the parameters no
-        rank used, read only where this rank used none ([Note: flags read a step late])."""
+        this step's (being summed by ``work``) for the next step's end, and returns what this step
+        needs now: the parameters no rank used, read only where this rank used none (then ``work``
+        is waited now: [Note: flags read a step late])."""
         staged.check(group, self.layout_digest)  # after this step's collectives: every rank raises here
-        staged.stage(self.tail[self.num_params :], step, self.clock.steps, late_params)
-        return FlagSums(self.unused_everywhere(unused_here), any_late=False)
+        unused: frozenset[int] = frozenset()
+        if unused_here:
+            wait_for(work, waiter)
+            work, unused = None, self.unused_everywhere(unused_here)
+        rest = self.tail[self.num_params :]
+        staged.stage(rest, self.host_views[self.turn], work, waiter, step, self.clock.steps, late_params)
+        self.turn ^= 1
+        return FlagSums(unused, any_late=False)
 
     def unused_everywhere(self, unused_here: Sequence[int]) -> frozenset[int]:
         """Of ``unused_here`` (this rank holds no gradient for them), those no rank used."""

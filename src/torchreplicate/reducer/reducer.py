@@ -20,9 +20,10 @@ per synchronised backward, and the last bucket is always launched from the
 end-of-backward callback. A rank may launch bucket ``k`` early (from a
 gradient hook, overlapping backward) or late (from the callback); only the
 timing differs, never the sequence. Anything a rank knows alone travels as
-flags (flags.py) after the last bucket's gradients: which parameters this
-rank holds a gradient for, and whether a gradient arrived after its bucket
-was launched. After the last bucket is reduced, every rank reads the same
+flags (flags.py), in a small all-reduce of their own right after the last
+bucket's (the buckets carry DDP's bytes and nothing else): which parameters
+this rank holds a gradient for, and whether a gradient arrived after its
+bucket was launched. After the last bucket is reduced, every rank reads the same
 sums and takes the same decisions: a parameter with no gradient on any rank
 keeps ``grad=None``; any late gradient anywhere triggers one more agreed
 round ([Note: the late round] in rounds.py). From a reducer's second step
@@ -77,9 +78,9 @@ from torchreplicate.reducer.bucket import (
     step_in_backward_optimizers,
 )
 from torchreplicate.reducer.collectives import is_transport_error
-from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, num_flags, real_view
+from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
-from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
+from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup, wait_for
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
@@ -140,10 +141,9 @@ class Reducer:
         self.tied_rows = tied_rows
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = policy
-        self.buckets = build_buckets(policy, num_flags(len(self.slots)), self.slots[0].param.device, bucket_kind)
+        self.buckets = build_buckets(policy, bucket_kind)
         self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
-        # - Reduction: how buckets travel; the flags ride with the last bucket
-        #   ([Note: one collective sequence]) or on their own (comm hooks)
+        # - Reduction: how buckets travel (the flags travel on their own: flags.py)
         self.reduction = reduction
         self._group = WeakGroup(group)  # held weakly: reduction.py
         self._clock = clock
@@ -231,12 +231,15 @@ class Reducer:
         # plan has none), and the bytes one step sends.
         reduction, buckets = self.reduction, self.buckets
         tensors = [BucketTensors(b.buffer, b.numel, b.params, b.views, [s.name for s in b.slots]) for b in buckets]
-        tail = reduction.bind(tensors, num_flags(len(self.slots)), self._group, self.probe.watch)
+        if tensors:
+            reduction.bind(tensors, self._group, self.probe.watch)
         for bucket in buckets:
             bucket.bind(reduction, reduction.scale(bucket.index))
-        self.flags = StepFlags(tail, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
+        device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
+        self.flags = StepFlags(device, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
-        self._wire_bytes = reduction.wire_bytes() + self.tied_rows.mask_bytes()
+        wire = reduction.wire_bytes() if tensors else 0
+        self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -305,11 +308,12 @@ class Reducer:
             self._launch_ready()
         elif bucket.launched:
             self.late.append(slot.name)  # the fresh .grad is reduced by the late round, if any
-        if slot.fired > slot.expected:
+        fired = slot.fired
+        if fired > slot.expected:
             self.grew = True  # a count to learn at the end of the step
-            if slot.fired == 1 and not self.layout_policy.learned:
-                self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
-                self.first_ready_ns.append(time.perf_counter_ns())
+        if fired == 1 and not self.layout_policy.learned:
+            self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
+            self.first_ready_ns.append(time.perf_counter_ns())
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
@@ -383,23 +387,25 @@ class Reducer:
         unused_here = self.sparse.unused_here() if self.sparse.slots else []
         for bucket in buckets[self.num_launched :]:
             unused_here += bucket.fill()
-            if bucket is buckets[-1]:
-                self.flags.write(unused_here, bool(self.late))
             self._launch(bucket, False)
+        after_waits, group, late = self.reduction.flags_after_waits, self._group.get(), bool(self.late)
+        if not after_waits:  # right after the last bucket's, as DDP's used-parameters map
+            work = self.flags.send(unused_here, late, group)
         for bucket in buckets:
             with probe.waiting(bucket.index, bucket.description, num_steps):
                 try:
                     bucket.wait()
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
-        if self.reduction.flags_apart:  # else they came back with the last bucket
-            probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
-            self.reduction.reduce_flags()
+        if after_waits:
+            work = self.flags.send(unused_here, late, group)
         if self.reads_now:
+            probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
+            wait_for(work, probe.watch)
             return self.flags.read(unused_here, self._group.get, num_steps)
         if self.late:
             warn_late_unreduced(num_steps, self.late)
-        return self.flags.stage(self.staged, num_steps, unused_here, self.late, self._group.get)
+        return self.flags.stage(self.staged, work, probe.watch, num_steps, unused_here, self.late, self._group.get)
 
     @property
     def reads_now(self) -> bool:
@@ -429,13 +435,16 @@ class Reducer:
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
-        flags = real_view(self.reduction.shadow(num_flags(len(self.slots))))
+        if self.buckets:
+            self.reduction.shadow()
+        flags, watch = self.flags, self.probe.watch
+        work = flags.send_zeros(self.group)
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
-            any_late = flags[len(self.slots)].item() > 0
+            wait_for(work, watch)
+            any_late = flags.tail[len(self.slots)].item() > 0
         else:
-            self.staged.check(self._group.get, self.flags.layout_digest)
-            self.staged.stage(flags[len(self.slots) :], self.num_steps, self._clock.steps, ())
+            flags.stage(self.staged, work, watch, self.num_steps, (), (), self._group.get)
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(inputs)
@@ -461,8 +470,12 @@ class Reducer:
             for slot in self.slots:
                 slot.expected = max(slot.expected, slot.fired)  # never a sparse slot's: its hook counts nothing
         self.num_steps += 1
-        policy, like = self.layout_policy, self.buckets[-1].buffer
-        if not policy.learned:
+        policy = self.layout_policy
+        like = self.buckets[-1].buffer if self.buckets else self.flags.tail
+        if not policy.learned and policy.steps_before_learning > 0:
+            policy.steps_before_learning -= 1  # static_graph: DDP learns from its second iteration
+            rebuild = False
+        elif not policy.learned:
             rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.tied_rows.round_ns)
             if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
                 self.tied_rows, rebuild = TiedRows((), self.sync), True
@@ -474,8 +487,7 @@ class Reducer:
 
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
-        device = self.slots[0].param.device
-        self.buckets = build_buckets(self.layout_policy, num_flags(len(self.slots)), device, self.bucket_kind)
+        self.buckets = build_buckets(self.layout_policy, self.bucket_kind)
         for bucket in self.buckets:
             bucket.adopt_grads()
         self._bind()

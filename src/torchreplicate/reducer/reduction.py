@@ -6,8 +6,10 @@ lower-precision wire dtype). ``HookReduction`` hands each bucket to a
 DDP-style comm hook. Communication over tensors: ``bind`` once per bucket
 layout (each bucket's tensors, ``BucketTensors``), then per synchronised
 backward each bucket (bucket.py) calls ``launch`` and ``wait`` with its
-index, in index order, and the reducer ``reduce_flags`` once every bucket is
-back when the flags travel apart. Neither this file nor bucket.py imports
+index, in index order. The step's flags travel in an all-reduce of their
+own (flags.py), which the reducer launches after the last bucket's launch or,
+where a reduction says so (``flags_after_waits``), once every bucket is back.
+Neither this file nor bucket.py imports
 the other: the reducer binds them.
 
 The step's collectives are here, with what they need: the process group,
@@ -34,8 +36,8 @@ class BucketTensors(NamedTuple):
     """What a reduction sees of one bucket: tensors only.
 
     Attributes:
-        buffer: the flat buffer: the gradients, then (last bucket) the flags' room.
-        numel: how many of its elements are gradients.
+        buffer: the flat buffer of the gradients.
+        numel: how many elements it holds.
         params: the parameters, in buffer order (a comm hook's bucket lists them).
         views: each parameter's gradient, a view into ``buffer``.
         names: the parameters' fully qualified names, for errors.
@@ -133,12 +135,10 @@ class Reduction:
 
     divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
     weak_group: Optional[WeakGroup] = None  # the group the collectives run on (set by bind)
-    flags_apart = False  # the flags travel in an all-reduce of their own (reduce_flags), not with the last bucket
+    flags_after_waits = False  # the flags' all-reduce waits until every bucket is back (comm hooks)
 
-    def bind(
-        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
-    ) -> torch.Tensor:
-        """Prepares for a bucket layout; returns where the flags travel (``num_flags`` elements).
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
+        """Prepares for a bucket layout.
 
         ``waiter`` waits each collective the reduction launches itself
         ([Note: stall watchdog] in watchdog.py); None: a plain wait.
@@ -157,9 +157,6 @@ class Reduction:
         """Waits for bucket ``index``; its gradients then hold the reduced average."""
         raise NotImplementedError
 
-    def reduce_flags(self) -> None:
-        """Once every bucket is back: sums the flags, when they travel apart (``flags_apart``)."""
-
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """Changes the divisor (uneven inputs: the ranks still training; join.py); None: back to the default."""
 
@@ -175,8 +172,8 @@ class Reduction:
         """Bytes one backward hands to the collectives (per rank): the bound buckets as they travel."""
         raise NotImplementedError
 
-    def shadow(self, num_flags: int) -> torch.Tensor:
-        """A joined rank's part of one backward: the same collectives, all zeros; returns the flag sums."""
+    def shadow(self) -> None:
+        """A joined rank's part of one backward: the same collectives, all zeros."""
         raise NotImplementedError
 
 
@@ -220,9 +217,7 @@ class AllReduce(Reduction):
         # a scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply).
         self.scales: list[torch.Tensor] = []
 
-    def bind(
-        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
-    ) -> torch.Tensor:
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
         self.weak_group = group
         self._waiter = waiter
         self._buckets = buckets
@@ -236,11 +231,10 @@ class AllReduce(Reduction):
                     raise complex_wire_error(bucket.names[0], buffer.dtype, self.reduce_dtype)
                 wire = torch.zeros(buffer.numel(), dtype=self.reduce_dtype, device=buffer.device)
             self.wires.append(wire)
-            # real even for a complex bucket: a complex times a real scale is exact per part
+            # real even for a complex bucket: a complex times a real scale is exact per part; on the
+            # host even for a GPU bucket: a CPU scalar, which CUDA kernels take as DDP's Python number
             math_dtype = torch.float64 if buffer.dtype in (torch.float64, torch.complex128) else torch.float32
-            self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype, device=buffer.device))
-        last = buckets[-1]
-        return self.wires[-1][last.numel : last.numel + num_flags]
+            self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype))
 
     def scale(self, index: int) -> Optional[torch.Tensor]:
         return self.scales[index]
@@ -280,28 +274,26 @@ class AllReduce(Reduction):
             mean = mean.to(self.reduce_dtype)
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
-    def shadow(self, num_flags: int) -> torch.Tensor:
+    def shadow(self) -> None:
         assert self.weak_group is not None, "bind() comes first"
         zeros = [torch.zeros_like(wire) for wire in self.wires]
         works = [all_reduce(z, self.weak_group.get(), self._waiter, async_op=True) for z in zeros]
         for work in works:
             assert work is not None
             wait_for(work, self._waiter)
-        last = self._buckets[-1]
-        return zeros[-1][last.numel : last.numel + num_flags]
 
     def launch(self, index: int) -> Any:
         assert self.weak_group is not None, "bind() comes first"
         wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
-            wire[: bucket.numel].copy_(bucket.grads)
+            wire.copy_(bucket.buffer)
         return all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
 
     def wait(self, index: int, handle: Any) -> None:
         wait_for(handle, self._waiter)
         wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
-            bucket.grads.copy_(wire[: bucket.numel])
+            bucket.buffer.copy_(wire)
 
 
 def real_parts(tensor: torch.Tensor) -> torch.Tensor:
@@ -346,7 +338,7 @@ class HookReduction(Reduction):
         hook: the comm hook.
     """
 
-    flags_apart = True
+    flags_after_waits = True  # [Note: hooks run one bucket at a time]
 
     def __init__(self, state: Any, hook: CommHook) -> None:
         check_comm_hook(hook)
@@ -354,23 +346,16 @@ class HookReduction(Reduction):
         self.state = state
         self.hook = hook
         # - Bound to one bucket layout (bind)
-        self._waiter: Optional[Waiter] = None  # waits the flags' all-reduce (the stall watchdog), or None
         self._buckets: Sequence[BucketTensors] = ()
-        self._flags = torch.zeros(0)  # the flags' own tensor
         # - Per step: the last bucket's future, waited before the next hook call
         self._previous: Any = None
 
-    def bind(
-        self, buckets: Sequence[BucketTensors], num_flags: int, group: WeakGroup, waiter: Optional[Waiter]
-    ) -> torch.Tensor:
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
         # The hook launches its own collectives, waited through its futures:
         # only the flags' all-reduce is watched (docs/faults.md).
         self.weak_group = group
-        self._waiter = waiter
         self._buckets = buckets
         self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
-        self._flags = torch.zeros(num_flags, dtype=torch.float32, device=buckets[-1].buffer.device)
-        return self._flags
 
     def wire_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)
@@ -385,9 +370,8 @@ class HookReduction(Reduction):
             [real_parts(view) for view in views],
         )
 
-    def shadow(self, num_flags: int) -> torch.Tensor:
-        # The hook on zero buckets, one at a time, then the flags' own all-reduce.
-        assert self.weak_group is not None, "bind() comes first"
+    def shadow(self) -> None:
+        # The hook on zero buckets, one at a time (the reducer's flags follow).
         future = None
         for index, bucket in enumerate(self._buckets):
             if future is not None:
@@ -397,9 +381,6 @@ class HookReduction(Reduction):
             future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()
-        flags = torch.zeros(num_flags, dtype=torch.float32, device=self._buckets[-1].buffer.device)
-        all_reduce(flags, self.weak_group.get(), self._waiter)
-        return flags
 
     def launch(self, index: int) -> Any:
         if index > 0:  # [Note: hooks run one bucket at a time]; a future done already is not waited on
@@ -426,7 +407,3 @@ class HookReduction(Reduction):
         grads = real_parts(self._buckets[index].grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
             grads.copy_(result.reshape(-1))
-
-    def reduce_flags(self) -> None:
-        assert self.weak_group is not None, "bind() comes first"
-        all_reduce(self._flags, self.weak_group.get(), self._waiter)

@@ -129,7 +129,7 @@ def settle_tied(policy: LayoutPolicy, tied_rows: TiedRows) -> bool:
     schedule applies) and ``split_pays``; otherwise nothing was measured and
     it stays.
     """
-    if not tied_rows.slots or not policy.tune_cap:
+    if not tied_rows.slots or not policy.tune_cap or not tied_rows.priced:
         return False
     position = {id(slot): i for i, slot in enumerate(policy.dense)}
     tied = [position[id(slot)] for slot in tied_rows.slots]

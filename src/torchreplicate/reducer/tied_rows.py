@@ -18,15 +18,19 @@ those rows, added to the reduced ``.grad``. A lookup touches the rows of the
 batch's tokens, so the round sends little; a dense detached use sends all
 rows, which is what the bucket would have sent.
 
-Kept only where it pays: with a tuned layout (``bucket_layout="tuned"``, an
-opt-in: [Note: tuning] in tuning.py), at the end of the first step the
-schedule prices the step with and without the split ([Note: buckets from the
-schedule], ``schedule.split_pays``); where the link is not the step (loopback:
-measured 7% slower against DDP with ``gradient_as_bucket_view``, from the
-rows round's CPU work) or the rows would be bytes sent twice on a saturated
-link (100 Mbit), the parameter goes back to one ``.grad``, whole, in the last
-bucket. Otherwise (the default) nothing is measured and the split stays:
-a fact of the model, the same on every run.
+An opt-in, since it changes which bytes are summed together (DDP reduces a
+tied parameter whole, in its bucket, as the default does): with a tuned
+layout (``bucket_layout="tuned"``: [Note: tuning] in tuning.py), at the end
+of the first step the schedule prices the step with and without the split
+([Note: buckets from the schedule], ``schedule.split_pays``); where the link
+is not the step (loopback: measured 7% slower against DDP with
+``gradient_as_bucket_view``, from the rows round's CPU work) or the rows
+would be bytes sent twice on a saturated link (100 Mbit), the parameter goes
+back to one ``.grad``, whole, in the last bucket. ``replicate(tied_split=True)``
+asks for the split with any layout, unpriced: a fact of the model, the same
+on every run (reproducible, not DDP's bits); ``tied_split=False`` never
+splits, also when tuned. The round reads no tensor on the host: the rows are
+picked on the device.
 
 Exact: averaging is linear, so the mean of the two parts is the mean of their
 sum. Only the rounding differs from one all-reduce of the sum (the parts are
@@ -57,11 +61,14 @@ class TiedRows:
     Args:
         slots: the slots of the tied parameters ([Note: tied parameters]).
         sync: the module's gradient-sync switch (``no_sync`` keeps a detached use's gradient local).
+        priced: the split stays only where the tuned layout's first step finds it pays
+            (``tied_split=None`` under ``bucket_layout="tuned"``); False: ``tied_split=True``, kept.
     """
 
-    def __init__(self, slots: Sequence[ParamSlot], sync: SyncSwitch) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], sync: SyncSwitch, *, priced: bool = True) -> None:
         self.slots = list(slots)
         self.sync = sync
+        self.priced = priced  # a tuned layout keeps the split only where it pays; False: asked for, kept
         self.by_index = {slot.index: slot for slot in self.slots}
         self.kept: dict[int, torch.Tensor] = {}  # slot index -> this rank's detached uses' gradient, summed
         self.rows_bytes = 0  # what the last round sent in rows (the same on every rank)

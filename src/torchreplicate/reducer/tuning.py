@@ -10,10 +10,13 @@ backward, by every rank at the same point:
 - Launch order (always, unless the layout is fixed): the order in which
   parameters' gradients became ready in that backward (on group rank 0,
   broadcast: one collective), so buckets fill in the order backward really
-  produces them (DDP rebuilds its buckets the same way); registration order
-  can differ (tied weights, modules registered out of execution order). The
-  order is a fact of the graph, not of timing: the same job gets the same
-  order, and so the same buckets, on every run.
+  produces them; registration order can differ (tied weights, modules
+  registered out of execution order). The order is a fact of the graph, not
+  of timing: the same job gets the same order, and so the same buckets, on
+  every run. At the default ``bucket_layout="learned"`` this is DDP's own
+  rebuild, with DDP's caps ([Note: DDP's buckets] in bucket_plan.py); with
+  ``static_graph=True`` it is learned from the second step, as DDP's; with
+  ``find_unused_parameters=True`` DDP never rebuilds, nor does this.
 - Bucket size, only with ``bucket_layout="tuned"`` (opt-in, as
   ``torch.backends.cudnn.benchmark``): a few all-reduces of known sizes are
   timed (the median of a few each; the slowest rank's times count: one
@@ -59,8 +62,11 @@ from a live peer and starts reducing with it at once) would still be on the
 unlearned layout while its peers are on the learned one: buckets of other
 sizes in the same all-reduce. ``replicate(bucket_layout="fixed")`` keeps the
 layout a pure function of the parameters and the options: reverse
-registration order, the caps given (``bucket_cap_mb`` is required), no link
-measurement, no rebuild, ever; the same on every replica whenever it starts.
+registration order, the caps given (DDP's 25 MiB and a 1 MiB first bucket by
+default), no link measurement, no rebuild, ever; the same on every replica
+whenever it starts, and in every step: a run resumed from a checkpoint ends
+with the bits of an uninterrupted one, which DDP's layout (one bucket in the
+first step, then the rebuilt ones) does not give at 3+ ranks.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ import torch.distributed as dist
 
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, plan_buckets
+from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, ddp_buckets, ddp_limits, plan_buckets
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.schedule import schedule, scheduled_layout
 
@@ -122,10 +128,12 @@ def choose_cap(link: LinkModel) -> int:
     return int(min(MAX_CAP, max(MIN_CAP, cap)))
 
 
-def readiness_order(first_ready: Sequence[int], num_params: int) -> list[int]:
-    """The launch order: parameters as they became ready, then the rest in reverse registration order."""
+def readiness_order(first_ready: Sequence[int], num_params: int, *, rest_ascending: bool = False) -> list[int]:
+    """The launch order: parameters as they became ready, then the rest in reverse registration order
+    (``rest_ascending``: in registration order, as DDP appends a static graph's unused parameters)."""
     seen = set(first_ready)
-    return list(first_ready) + [i for i in range(num_params - 1, -1, -1) if i not in seen]
+    rest = range(num_params) if rest_ascending else range(num_params - 1, -1, -1)
+    return list(first_ready) + [i for i in rest if i not in seen]
 
 
 @torch.no_grad()
@@ -199,8 +207,14 @@ class LayoutPolicy:
         groups: per slot index (all slots), its nested-replicate group (bucket_plan.py), or None.
         cap_bytes: the bucket cap; None: DDP's (``config.DDP_DEFAULT_CAP_MB``) until the first step measured the link.
         first_cap_bytes: the first bucket's cap.
-        fixed: keep reverse registration order and the caps given, learn nothing
-            (``replicate(bucket_layout="fixed")``: [Note: fixed layout]).
+        layout: ``replicate(bucket_layout=...)``: ``"learned"`` lays out DDP's buckets
+            ([Note: DDP's buckets] in bucket_plan.py), ``"fixed"`` keeps reverse registration
+            order and the caps given and learns nothing ([Note: fixed layout]), ``"tuned"``
+            learns the order, the cap and the schedule ([Note: tuning]).
+        find_unused: ``find_unused_parameters=True`` with the learned layout: DDP's layout for
+            it, filled in registration order and never rebuilt.
+        static_graph: ``static_graph=True`` with the learned layout: DDP rebuilds from the
+            second iteration's order, not the first's.
     """
 
     def __init__(
@@ -209,16 +223,24 @@ class LayoutPolicy:
         groups: Optional[Sequence[int]],
         cap_bytes: Optional[int],
         first_cap_bytes: int,
-        fixed: bool = False,
+        *,
+        layout: str = "learned",
+        find_unused: bool = False,
+        static_graph: bool = False,
     ) -> None:
         # - Configuration
         self.dense = list(dense)
         self.groups = None if groups is None else [groups[slot.index] for slot in self.dense]  # per dense slot
-        assert not (fixed and cap_bytes is None), "config.py refuses a fixed layout without a cap"
+        assert layout == "tuned" or cap_bytes is not None, "config.py gives every layout but the tuned one a cap"
         self.tune_cap = cap_bytes is None  # measure the link in the first step and choose the cap
-        # - Learned in the first synchronised step ([Note: tuning]); a fixed
-        #   layout starts out learned, so it never learns or rebuilds
-        self.learned = fixed  # the launch order (and cap) are learned in the first synchronised step
+        self.ddp = layout == "learned"  # DDP's buckets ([Note: DDP's buckets])
+        self.find_unused = self.ddp and find_unused and not static_graph  # DDP's layout for it, never rebuilt
+        # synchronised steps to pass before the one whose readiness order the layout is learned
+        # from: DDP with static_graph=True learns from its second iteration ([Note: DDP's buckets])
+        self.steps_before_learning = 1 if self.ddp and static_graph else 0
+        # - Learned in the first synchronised step ([Note: tuning]); a fixed layout, or DDP's
+        #   for find_unused_parameters, starts out learned, so it never learns or rebuilds
+        self.learned = layout == "fixed" or self.find_unused
         self.cap_bytes = DDP_DEFAULT_CAP_MB * MiB if cap_bytes is None else cap_bytes
         self.first_cap_bytes = first_cap_bytes
         self.order: Optional[list[int]] = None  # positions in `dense`, launch order; None: reverse registration
@@ -231,36 +253,42 @@ class LayoutPolicy:
         self.rows_s = 0.0  # how long the first step's rows round of tied parameters took (tied_rows.py)
         self.lengths: Optional[list[int]] = None  # bucket lengths along `order` from the schedule, or None
 
+    def plan(self) -> list[BucketSpec]:
+        """The buckets of this policy as it stands (before or after it learned), bar the schedule's."""
+        if not self.ddp:
+            return plan_layout(self, self.cap_bytes, self.first_cap_bytes)
+        params = [local(slot.param) for slot in self.dense]
+        limits = ddp_limits(
+            self.cap_bytes, self.first_cap_bytes, rebuilt=self.order is not None, find_unused=self.find_unused
+        )
+        return ddp_buckets(
+            [p.numel() for p in params],
+            [p.dtype for p in params],
+            [p.device for p in params],
+            limits,
+            order=self.order,
+            groups=self.groups,
+        )
+
     @property
     def grad_bytes(self) -> int:
         """The dense gradients' bytes: one step's traffic, the most one measurement of the link sends."""
         return sum(p.numel() * p.element_size() for p in (local(slot.param) for slot in self.dense))
 
 
-def build_buckets(policy: LayoutPolicy, num_flags: int, device: torch.device, kind: type[Bucket]) -> list[Bucket]:
-    """The buckets ``policy`` lays out now; the last keeps ``num_flags`` elements of room for the flags.
+def build_buckets(policy: LayoutPolicy, kind: type[Bucket]) -> list[Bucket]:
+    """The buckets ``policy`` lays out now (none where no slot is dense: only sparse gradients).
 
     Args:
         policy: the layout policy (its dense slots, order, caps, groups).
-        num_flags: the flags' room (flags.py).
-        device: where the flags travel when no slot is dense (only sparse
-            parameters still need a bucket for them).
         kind: where ``.grad`` lives (bucket.py's ``bucket_kind``).
     """
     dense = policy.dense
     if not dense:
-        return [kind(0, [], torch.float32, device, extra=num_flags)]
-    specs = scheduled_layout(policy) or plan_layout(policy, policy.cap_bytes, policy.first_cap_bytes)
-    last = len(specs) - 1
+        return []
+    specs = scheduled_layout(policy) or policy.plan()
     return [
-        kind(
-            index,
-            [dense[i] for i in spec.param_indices],
-            spec.dtype,
-            spec.device,
-            extra=num_flags if index == last else 0,
-        )
-        for index, spec in enumerate(specs)
+        kind(index, [dense[i] for i in spec.param_indices], spec.dtype, spec.device) for index, spec in enumerate(specs)
     ]
 
 
@@ -319,14 +347,14 @@ def learn_layout(
     position = {slot.index: i for i, slot in enumerate(policy.dense)}
     when = {position[i]: t for i, t in zip(first_ready, ready_ns, strict=False) if i in position}  # no times: a shadow
     ready = [position[i] for i in first_ready if i in position]
-    order = readiness_order(ready, len(policy.dense))
+    order = readiness_order(ready, len(policy.dense), rest_ascending=policy.ddp)
     start = min(when.values(), default=end_ns)
     ready_us = [(when.get(i, end_ns) - start) // 1000 if when else 0 for i in order]
     policy.order, agreed_us, (end_us, rows_us) = agree_order(
         order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000]
     )
     policy.ready_s, policy.end_s, policy.rows_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6, rows_us * 1e-6
-    policy.cap_changes_layout = cap_changes_layout(policy)
+    policy.cap_changes_layout = policy.tune_cap and cap_changes_layout(policy)
     if policy.tune_cap and policy.cap_changes_layout:
         policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
         policy.cap_bytes = choose_cap(policy.link)
