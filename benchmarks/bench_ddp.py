@@ -50,7 +50,7 @@ from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_
 from benchlib.rounds import run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_tensor_difference_us
 
-ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned")
+ENGINES_WS2 = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "torch_replicate")
 ENGINES_MEMORY = ("local", "ddp", "ddp_gbv", "ours")
 # world size 1: ``reducer`` is replicate() plus the reducer it builds at world
 # size 2 (at world size 1 it builds none), ``noop_hooks`` is one empty Python
@@ -62,6 +62,9 @@ RATIO_PAIRS = (
     ("ours_tuned", "ddp"),
     ("ours_tuned", "ddp_gbv"),
     ("ours", "ours_tuned"),
+    ("ours", "torch_replicate"),
+    ("torch_replicate", "ddp"),
+    ("torch_replicate", "ddp_gbv"),
     ("ours", "local"),
     ("ddp", "local"),
     ("ddp_gbv", "ddp"),

@@ -80,13 +80,19 @@ from benchlib.timeline import bucket_wire_bytes, summarize_trace, trace_steps
 from hostnet import parse_rate
 from torchreplicate import replicate
 
-ENGINES = ("local", "fwd", "ddp", "ddp_gbv", "ours", "ours_tuned", "ddp_bf16", "ours_bf16", "allreduce", "fwd_ar_opt")
+ENGINES = (
+    *("local", "fwd", "ddp", "ddp_gbv", "ours", "ours_tuned", "torch_replicate"),
+    *("ddp_bf16", "ours_bf16", "allreduce", "fwd_ar_opt"),
+)
 TRACED = ("ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16")  # the engines that communicate through a model
 RATIO_PAIRS = (
     ("ours", "ddp"),
     ("ours", "ddp_gbv"),
     ("ours_tuned", "ddp"),
     ("ours_tuned", "ddp_gbv"),
+    ("torch_replicate", "ddp"),
+    ("torch_replicate", "ddp_gbv"),
+    ("ours", "torch_replicate"),
     ("ours", "local"),
     ("ddp_gbv", "ddp"),
     ("ours_bf16", "ddp"),
@@ -178,7 +184,7 @@ def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
     ``fwd`` shares ``local``'s model.
     """
     engines: dict[str, Any] = {}
-    for kind in ("local", "ddp", "ddp_gbv", "ours", "ours_tuned"):
+    for kind in ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "torch_replicate"):
         engines[kind] = build_engine(kind, model_name)
     engines["fwd"] = ForwardOnly(model_name, engines["local"].module)
     torch.manual_seed(0)
@@ -265,13 +271,14 @@ def aggregate(rank_outputs: list[dict], rate: str, extra_caps: list[float]) -> d
                 "comm_ms": comm_ms,
                 "floor_ms": statistics.median(fwd_rounds) + comm_ms,
             }
-            for kind in ("ours", "ddp", "ddp_gbv", *extras) if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
+            fp32_kinds = ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate", *extras)
+            for kind in fp32_kinds if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
                 per = [e / (f + comm_ms) for e, f in zip(engines[kind]["per_round_ms"], fwd_rounds)]
                 result["ratios"][f"{kind}/floor"] = {**summarize(per), "per_round": per}
         # the measured floor: per round, the longer of the local step and fwd + one all-reduce + optimizer
         measured = [max(a, b) for a, b in zip(engines["local"]["per_round_ms"], engines["fwd_ar_opt"]["per_round_ms"])]
         floors["measured_ms"] = statistics.median(measured)
-        for kind in ("ours", "ddp", "ddp_gbv", *extras):
+        for kind in ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate", *extras):
             per = [e / f for e, f in zip(engines[kind]["per_round_ms"], measured)]
             result["ratios"][f"{kind}/measured_floor"] = {**summarize(per), "per_round": per}
         result["floors"] = floors

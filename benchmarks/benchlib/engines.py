@@ -25,13 +25,26 @@ from torchreplicate.reducer.reducer import Reducer
 # - ours: replicate() defaults (reproducible: DDP's 25 MiB cap, nothing timed);
 # - ours_tuned: replicate(bucket_layout="tuned"): cap, bucket ends and the tied
 #   split chosen from timings of the first step (the opt-in; not reproducible);
+# - torch_replicate: torch's own FSDP2-based replicate
+#   (torch/distributed/_composable/replicate_with_fsdp.py), on each transformer
+#   block and then the root, as FSDP2's recipes apply it (a flat model: the root);
 # - reducer: replicate(), plus the reducer it builds at world size 2 (at world
 #   size 1 it builds none): its bookkeeping when collectives are nearly free;
 # - noop_hooks: one empty Python post-accumulate-grad hook per parameter, the
 #   floor of any reducer driven by Python hooks;
 # - ours_before: replicate() defaults of an earlier revision (benchlib/before.py),
 #   imported as torchreplicate_before from sys.path (bench_before_after.py).
-ENGINE_KINDS = ("local", "ddp", "ddp_gbv", "ours", "ours_tuned", "reducer", "noop_hooks", "ours_before")
+ENGINE_KINDS = (
+    "local",
+    "ddp",
+    "ddp_gbv",
+    "ours",
+    "ours_tuned",
+    "torch_replicate",
+    "reducer",
+    "noop_hooks",
+    "ours_before",
+)
 
 
 class Engine:
@@ -114,6 +127,12 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
         return Engine(kind, model_name, replicate(model), model)
     if kind == "ours_tuned":
         return Engine(kind, model_name, replicate(model, bucket_layout="tuned"), model)
+    if kind == "torch_replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+
+        for child in _blocks(model):
+            torch_replicate(child)
+        return Engine(kind, model_name, torch_replicate(model), model)
     if kind == "ours_before":
         import torchreplicate_before  # type: ignore[import-not-found]  # on sys.path: benchlib/before.py
 
@@ -131,6 +150,18 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
         handles = [p.register_post_accumulate_grad_hook(noop) for p in model.parameters()]
         return Engine(kind, model_name, model, model, keep=handles)
     raise ValueError(f"build_engine(): unknown kind {kind!r}; expected one of {ENGINE_KINDS}")
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    # The units FSDP2's recipes wrap (a transformer's blocks): the children of the model's largest
+    # container of parameters below the root; none for a flat model (the root alone, one all-reduce).
+    containers = [
+        m for m in model.modules() if m is not model and isinstance(m, (nn.Sequential, nn.ModuleList)) and len(m) > 1
+    ]
+    if not containers:
+        return []
+    biggest = max(containers, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return [child for child in biggest if any(True for _ in child.parameters())]
 
 
 def build_internal_reducer(replicated: nn.Module) -> Reducer:

@@ -262,7 +262,9 @@ class StallWatch:
         what = self.place.describe(self.detail)
         if before:
             what = f"{before} before {what}"
-        timed_out = "Timed out" in str(error) or "timed out" in str(error)
+        # gloo's words for the work that timed out, and for another in flight whose pair it then
+        # closed ("Application timeout caused pair closure": the flags' all-reduce may time out first)
+        timed_out = any(words in str(error) for words in ("Timed out", "timed out", "timeout caused pair closure"))
         cause = (
             f"waited more than the process group's timeout ({self.group_timeout_s:g} s)"
             if timed_out
