@@ -88,11 +88,14 @@ class TrainingClock:
     ``OptimizerSteps`` advances it.
     """
 
-    __slots__ = ("steps", "param_ids", "__weakref__")
+    __slots__ = ("steps", "param_ids", "staged", "__weakref__")
 
     def __init__(self) -> None:
         self.steps = 0  # optimizer steps that touched the module's replicated parameters
         self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
+        # the module's staged flags whose all-reduce is not waited yet (on the host), settled at the
+        # optimizer step that follows their backward ([Note: flags read a step late])
+        self.staged: Optional[StagedSums] = None
 
     def catch_up(self, steps: int) -> None:
         """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
@@ -127,6 +130,9 @@ class OptimizerSteps:
         for clock in list(self.clocks):
             if not clock.param_ids.isdisjoint(cached[1]):
                 clock.steps += 1
+                if clock.staged is not None:
+                    clock.staged.settle()
+                    clock.staged = None
 
     def install(self) -> None:
         """Registers the hook with torch, once."""
@@ -218,6 +224,8 @@ class StagedSums:
         without waiting on the host; ``host_view``: ``rest`` as a NumPy array (host flags only)."""
         if self.event is None:
             self.work, self.values = work, host_view
+            if work is not None and work.is_completed():
+                self.settle()
         else:
             assert self.host is not None
             if work is not None:
@@ -225,6 +233,21 @@ class StagedSums:
             self.host.copy_(rest, non_blocking=True)
             self.event.record()
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
+
+    def settle(self) -> None:
+        """Waits for the staged all-reduce on the host, and lets go of its work.
+
+        [Note: flags read a step late] A gloo work kept past its step (the
+        last step's, at exit, after ``destroy_process_group()``) aborted the
+        process one exit in two as it was freed ("Resource deadlock
+        avoided", torch 2.13: docs/modern-stack.md's PowerSGD example), so
+        the work is let go within its step where it is done already (it ran
+        beside the last bucket), else at the optimizer step that follows
+        (``OptimizerSteps``), else at the next step's check.
+        """
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
 
     def check(self, group: Callable[[], dist.ProcessGroup], layout_digest: int) -> None:
         """Raises what the sums staged a step ago say, if anything (every rank reads the same sums); once.
@@ -241,9 +264,8 @@ class StagedSums:
             return  # nothing staged
         if self.event is not None:
             self.event.synchronize()  # recorded a step ago: done, unless the device runs a step behind
-        elif self.work is not None:
-            work, self.work = self.work, None
-            work.wait()  # launched a step ago, before this step's buckets, which are back: done
+        else:
+            self.settle()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
         raise_on_desync(rest, group, self.clock, layout_digest, step)
         if rest[0] > 0:
@@ -353,6 +375,7 @@ class StepFlags:
             work, unused = None, self.unused_everywhere(unused_here)
         rest = self.tail[self.num_params :]
         staged.stage(rest, self.host_views[self.turn], work, waiter, step, self.clock.steps, late_params)
+        self.clock.staged = staged if staged.work is not None else None  # settled at the optimizer step
         self.turn ^= 1
         return FlagSums(unused, any_late=False)
 
