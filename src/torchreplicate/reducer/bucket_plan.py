@@ -133,9 +133,8 @@ def ddp_buckets(
     Returns:
         The buckets, in launch order. Every parameter appears in exactly one.
     """
-    visit = _checked_order(numels, dtypes, devices, order, groups)
-    if order is None:
-        visit = range(len(numels))
+    _checked_order(numels, dtypes, devices, order, groups)  # validates the inputs only
+    visit = range(len(numels)) if order is None else order  # DDP visits in registration order, not reversed
     if not limits or min(limits) <= 0:
         raise ValueError(f"ddp_buckets: limits must be positive, got {list(limits)}")
     open_: dict[tuple[object, ...], tuple[list[int], int]] = {}  # key -> (indices, bytes); first seen first

@@ -338,7 +338,9 @@ class StepFlags:
             tail[torch.tensor(unused_here, device=tail.device)] = 0
         if late:
             tail[self.num_params] = 1
-        return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))  # waited through the watchdog
+        # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
+        # plainly a step late on the host (``StagedSums.settle``), long done by then
+        return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))
 
     def send_zeros(self, group: dist.ProcessGroup) -> dist.Work:
         """A joined rank's flags: zeros, summed with the others' ([Note: join] in core/join.py)."""
