@@ -273,15 +273,20 @@ def test_the_job_ends_with_ddps_bits(runs, job):
 
 @pytest.mark.parametrize("job", COUNTED)
 def test_a_steady_step_sums_ddps_buckets_and_one_small_all_reduce_of_flags(runs, job):
-    """The same all-reduces of the same sizes in the same order as DDP's (the tied embedding whole, in
-    its bucket: no rows round at default options), then the flags' own (flags.py)."""
+    """The all-reduces of a steady step: DDP's buckets, of the same sizes (the tied embedding whole, in its
+    bucket: no rows round at default options), and one more, the flags' own (flags.py).
+
+    Sizes, not positions: the profiler records each all-reduce on the gloo thread that runs it, and
+    the last bucket's and the flags' run side by side, so either may be recorded first.
+    """
     world_size, ddp, ours = runs
     flags = num_flags(len(list(JOBS[job][0]().parameters())))
     for rank in range(world_size):
-        theirs, mine = ddp[rank]["all-reduces"][job], ours[rank]["all-reduces"][job]
+        theirs, mine = ddp[rank]["all-reduces"][job], list(ours[rank]["all-reduces"][job])
         assert theirs, f"{job}: no all-reduce counted under DDP"
-        assert mine[:-1] == theirs, f"{job}, rank {rank}: buckets {mine[:-1]} where DDP's are {theirs}"
-        assert len(mine) == len(theirs) + 1 and mine[-1] == flags, f"{job}, rank {rank}: {mine} against {theirs}"
+        assert flags in mine, f"{job}, rank {rank}: no all-reduce of the flags' {flags} elements in {mine}"
+        mine.remove(flags)
+        assert sorted(mine) == sorted(theirs), f"{job}, rank {rank}: buckets {mine} where DDP's are {theirs}"
 
 
 def test_the_comparison_is_not_vacuous(runs):
