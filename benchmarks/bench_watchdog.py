@@ -40,7 +40,7 @@ import torch.distributed as dist
 from benchlib import store_sim
 from benchlib.report import RESULTS_DIR, finish_report, run_env
 from local_ranks import free_port
-from torchreplicate.reducer.watchdog import heartbeat_period
+from torchreplicate.faults.watchdog import heartbeat_period
 
 DEFAULT_TIMEOUT_S = 60.0  # replicate()'s stall_timeout
 SIM_PERIOD_S = 0.2  # the simulated heartbeat period (the shortest the library uses)

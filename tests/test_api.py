@@ -255,7 +255,7 @@ def check_model_module(rank, world_size):
     keys = list(model.state_dict())
     ddp_keys = list(torch.nn.parallel.DistributedDataParallel(MLP()).module.state_dict())
     replicate(model)
-    view = model.module  # [Note: model.module] in core/unwrapped.py
+    view = model.module  # [Note: model.module] in compat/view.py
     assert view is not model and view is model.module, f"rank {rank}: model.module is not one view of the model"
     assert list(view.state_dict()) == keys == ddp_keys == list(model.state_dict()), f"rank {rank}: keys changed"
     assert all(p is q for p, q in zip(view.parameters(), model.parameters(), strict=True)), f"rank {rank}: copies"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchreplicate.config import MiB
-from torchreplicate.reducer.bucket_plan import plan_buckets
+from torchreplicate.reducer.layout.plan import plan_buckets
 
 F32, F16 = torch.float32, torch.float16
 CPU = torch.device("cpu")
@@ -100,7 +100,7 @@ def test_a_layout_the_same_at_both_cap_bounds_is_the_same_at_every_cap_between()
     # tuning.cap_changes_layout compares only the layouts at MIN_CAP and MAX_CAP
     import random
 
-    from torchreplicate.reducer.tuning import MAX_CAP, MIN_CAP
+    from torchreplicate.reducer.layout.plan import MAX_CAP, MIN_CAP
 
     rng = random.Random(0)
     caps = [int(MIN_CAP * (MAX_CAP / MIN_CAP) ** (i / 60)) for i in range(61)]
@@ -115,7 +115,7 @@ def test_a_layout_the_same_at_both_cap_bounds_is_the_same_at_every_cap_between()
             assert all(layout(cap) == layout(MIN_CAP) for cap in caps), (numels, first)
 
 
-# -- buckets from the schedule ([Note: buckets from the schedule] in bucket_plan.py)
+# -- buckets from the schedule ([Note: buckets from the schedule] in layout/plan.py)
 
 
 def _simulate(lengths, nbytes, ready, end, latency, bandwidth):
@@ -150,7 +150,7 @@ def test_schedule_is_the_best_layout_of_all(seed):
     # and none that ends as soon has fewer buckets
     import random
 
-    from torchreplicate.reducer.bucket_plan import best_schedule
+    from torchreplicate.reducer.layout.plan import best_schedule
 
     rng = random.Random(seed)
     count = rng.randint(1, 8)
@@ -169,7 +169,7 @@ def test_schedule_is_the_best_layout_of_all(seed):
 
 
 def test_schedule_follows_the_link():
-    from torchreplicate.reducer.bucket_plan import best_schedule
+    from torchreplicate.reducer.layout.plan import best_schedule
 
     nbytes, ready = [4 * MiB] * 8, [0.005 * i for i in range(8)]
     slow = best_schedule(nbytes, ready, 0.04, 1e-3, 125e6, 64 * MiB)[0]  # 1 Gbit: each bucket waits for the link
@@ -224,7 +224,7 @@ def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
 
 
 def ddp(numels, limits, dtypes=None, **kw):
-    from torchreplicate.reducer.bucket_plan import ddp_buckets
+    from torchreplicate.reducer.layout.plan import ddp_buckets
 
     dtypes = dtypes or [F32] * len(numels)
     return [b.param_indices for b in ddp_buckets(numels, dtypes, [CPU] * len(numels), limits, **kw)]
@@ -253,7 +253,7 @@ def test_ddps_limits_walk_per_dtype():
 
 
 def test_ddps_limits_follow_the_cap_given():
-    from torchreplicate.reducer.bucket_plan import ddp_limits
+    from torchreplicate.reducer.layout.plan import ddp_limits
 
     assert ddp_limits(25 * MiB, MiB, rebuilt=True, find_unused=False) == [MiB, 25 * MiB]
     assert ddp_limits(25 * MiB, 25 * MiB, rebuilt=False, find_unused=True) == [25 * MiB]

@@ -3,7 +3,7 @@
 The fourteen public attributes of a DDP instance that a replicated module
 used to lack, and DDP's private ``_register_builtin_comm_hook``: each answers
 as DDP's does on the same job, or raises an ``AttributeError`` saying why
-there is no such thing here and what to use (ddp_surface.py's
+there is no such thing here and what to use (compat/ddp_surface.py's
 ``DDPInternals``; the table in docs/migration.md).
 """
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torchreplicate import replicate
-from torchreplicate.ddp_surface import NOT_HERE, DDPInternals
+from torchreplicate.compat.ddp_surface import NOT_HERE, DDPInternals
 
 # The attributes issue 38 found missing, as DDP 2.13 names them.
 DDP_ATTRIBUTES = (

@@ -22,7 +22,7 @@ from models import DIM, data
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.errors import DesyncReport, format_desync
-from torchreplicate.reducer.watchdog import StallWarning
+from torchreplicate.faults.watchdog import StallWarning
 
 
 def _net() -> nn.Module:
@@ -371,8 +371,9 @@ def test_healthy_slow_steps_never_trip_the_watchdog():
 
 
 def test_who_is_where_sentence():
-    from torchreplicate.reducer.switches import Place, TrainingState
-    from torchreplicate.reducer.watchdog import Note, describe_notes
+    from torchreplicate.faults.place import Place
+    from torchreplicate.faults.watchdog import Note, describe_notes
+    from torchreplicate.lifecycle import TrainingState
 
     def note(rank, state, bucket=None, detail="", seconds=1.0, failed=False, alive=True):
         return Note(rank, Place(state, 12, bucket), detail, seconds, failed, "hostA", 100 + rank, 7, alive)

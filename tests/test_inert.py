@@ -35,7 +35,7 @@ from local_ranks import launch
 from parity import seeded
 from torchreplicate import replicate
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.reducer.watchdog import StallWarning
+from torchreplicate.faults.watchdog import StallWarning
 
 WIDTH = 256  # 8 blocks: 2 MiB of gradients, so a tuned cap changes the layout (and the link is measured)
 

@@ -166,7 +166,7 @@ def mesh_errors(rank: int, world_size: int) -> list[str]:
         try:
             replicate(_mlp(), **kwargs)
             messages.append(f"no error: {sorted(kwargs)}")
-        except (TypeError, ValueError) as error:  # some are also the seed's RuntimeError (seed_contract.py)
+        except (TypeError, ValueError) as error:  # some are also the seed's RuntimeError (errors.py)
             kind = "TypeError" if isinstance(error, TypeError) else "ValueError"
             messages.append(f"{kind}: {error}")
     return messages

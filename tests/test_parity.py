@@ -10,7 +10,7 @@ import torch
 from models import MODELS, TINY_BUCKETS
 from parity import PER_RANK, assert_grads_match, assert_replicas_identical, local_shard, seeded
 from torchreplicate import replicate
-from torchreplicate.reducer.tuning import MIN_CAP
+from torchreplicate.reducer.layout.plan import MIN_CAP
 
 MODEL_NAMES = ["mlp", "conv", "tied", "encoder", "wide"]
 

@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Any
 
-from torchreplicate.reducer.roll_call import (
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.roll_call import (
     CLAIM_KEY,
     Note,
     decode_notes,
@@ -24,8 +25,8 @@ from torchreplicate.reducer.roll_call import (
     roll_call,
     start_time,
 )
-from torchreplicate.reducer.switches import Collective, Place, TrainingState
-from torchreplicate.reducer.watchdog import heartbeat_period
+from torchreplicate.faults.watchdog import heartbeat_period
+from torchreplicate.lifecycle import TrainingState
 
 HOST = "hostA"
 

@@ -4,7 +4,7 @@ One row per refusal of the seed (``torch.distributed._composable.replicate``,
 which builds a DDP at the first forward, so DDP's constructor refusals are
 the seed's too). Where both refuse, ours raises an exception of the seed's
 type with the seed's message first ([Note: the seed's contract] in
-seed_contract.py). The rows after that pin where they knowingly differ.
+errors.py). The rows after that pin where they knowingly differ.
 Every row runs on 2 gloo ranks and checks each rank's error.
 """
 

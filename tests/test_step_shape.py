@@ -37,7 +37,7 @@ READ_IN_ORDER = (
     "reducer/reduction.py",
     "reducer/flags.py",
 )
-LEAVES = ("reducer/probe.py", "reducer/watchdog.py", "torch_internals.py")
+LEAVES = ("reducer/probe.py", "faults/watchdog.py", "torch_internals.py")
 MAX_PAIRS = 32  # issue 37: at most 32 distinct cross-file (caller, callee) function pairs
 
 

@@ -268,15 +268,15 @@ class WideTiedLM(nn.Module):
 
 def scheduled_tied(rank: int, world_size: int, split_kept: bool) -> tuple[Optional[list[int]], int]:
     """A slow link measured: the schedule's buckets, the split dropped (or kept), every step exact."""
-    from torchreplicate.reducer import schedule, tuning
-    from torchreplicate.reducer.tuning import LinkModel
+    from torchreplicate.reducer.layout import policy
+    from torchreplicate.reducer.layout.link import LinkModel
 
-    saved = (tuning.measure_link, schedule.split_pays)
-    tuning.measure_link = lambda *args: LinkModel(
+    saved = (policy.measure_link, policy.split_pays)
+    policy.measure_link = lambda *args: LinkModel(
         latency_s=0.0005, bytes_per_s=12.5e6
     )  # 100 Mbit: the link is the step
     if split_kept:
-        schedule.split_pays = lambda *args: True
+        policy.split_pays = lambda *args: True
     try:
         model = replicate(seeded(WideTiedLM, 11 + rank), bucket_layout="tuned")
         reference = seeded(WideTiedLM, 11)
@@ -297,7 +297,7 @@ def scheduled_tied(rank: int, world_size: int, split_kept: bool) -> tuple[Option
         )
         return reducer.layout_policy.lengths, len(reducer.buckets)
     finally:
-        tuning.measure_link, schedule.split_pays = saved
+        policy.measure_link, policy.split_pays = saved
 
 
 @pytest.mark.parametrize("split_kept", [False, True])

@@ -1,4 +1,4 @@
-"""Launch order and bucket size learned in the first step ([Note: tuning] in tuning.py)."""
+"""Launch order and bucket size learned in the first step ([Note: tuning] in layout/policy.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,17 @@ from torch import nn
 
 from parity import assert_grads_match, assert_replicas_identical, assert_same_on_every_rank, seeded, sgd_step
 from torchreplicate import replicate
-from torchreplicate.reducer.tuning import (
+from torchreplicate.reducer.layout.link import (
     CALIBRATION_BYTES,
     CALIBRATION_REPEATS,
-    MAX_CAP,
-    MIN_CAP,
     TIMINGS_BYTES,
-    LayoutPolicy,
     LinkModel,
     calibration_sizes,
     choose_cap,
     fit_link,
-    readiness_order,
-    schedule,
 )
+from torchreplicate.reducer.layout.plan import MAX_CAP, MIN_CAP
+from torchreplicate.reducer.layout.policy import LayoutPolicy, readiness_order, schedule
 
 DIM = 16
 
@@ -131,7 +128,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
     """
     import time
 
-    from torchreplicate.reducer import tuning
+    from torchreplicate.reducer.layout import link
 
     real = time.perf_counter
     speed = 1.0 + 4.0 * rank  # rank 1 measures every all-reduce 5x slower
@@ -141,7 +138,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
         def perf_counter() -> float:
             return real() * speed
 
-    tuning.time = SkewedTime  # type: ignore[assignment]
+    link.time = SkewedTime  # type: ignore[assignment]
     try:
         model = replicate(seeded(WideStack, 1), bucket_layout="tuned")
         reference = seeded(WideStack, 1)
@@ -157,7 +154,7 @@ def skewed_clocks(rank: int, world_size: int) -> Chosen:
             model.zero_grad()
             reference.zero_grad()
     finally:
-        tuning.time = time  # type: ignore[assignment]
+        link.time = time  # type: ignore[assignment]
     reducer = replicate.state(model).reducer
     assert reducer.layout_policy.link is not None, f"rank {rank}: the link was not measured"
     return Chosen(reducer.layout_policy.cap_bytes, [[s.name for s in b.slots] for b in reducer.buckets])
@@ -176,7 +173,7 @@ class Regimes(NamedTuple):
 
 def regime_change(rank: int, world_size: int) -> Regimes:
     """The link measures fast, then (from the 3rd measurement) slow: the buckets follow, exactly."""
-    from torchreplicate.reducer import tuning
+    from torchreplicate.reducer.layout import policy as tuning
 
     measured = []
 
@@ -251,7 +248,7 @@ def calibration_traffic(rank: int, world_size: int, model_name: str) -> Calibrat
     """Counts what every measurement of the link sends over 7 steps (one retune at 6), with parity."""
     import torch.distributed as dist
 
-    from torchreplicate.reducer import tuning
+    from torchreplicate.reducer.layout import policy as tuning
 
     model_class, width = (WideStack, WIDE) if model_name == "wide" else (OutOfOrder, DIM)
     measurements: list[int] = []
@@ -324,7 +321,7 @@ def _gpt_like_policy(bytes_per_s: float) -> LayoutPolicy:
     ],
 )
 def test_the_tied_split_is_kept_only_where_it_pays(bytes_per_s, pays):
-    from torchreplicate.reducer.schedule import keep_whole, split_pays
+    from torchreplicate.reducer.layout.policy import keep_whole, split_pays
 
     policy = _gpt_like_policy(bytes_per_s)
     rows_bytes = 512 * 1024  # the rows the batch's tokens touched

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from torchreplicate.reducer.roll_call import gather_notes, note_key
+from torchreplicate.faults.roll_call import gather_notes, note_key
 
 HOST = "sim-host"  # the notes' host: not this one, so no process check (the cross-host case)
 

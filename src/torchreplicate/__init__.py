@@ -7,7 +7,7 @@ every backward, each parameter's ``.grad`` is the mean over all ranks.
 from typing import Any
 
 from torchreplicate.api import ReplicateModule, replicate
-from torchreplicate.checkpoint import load_ddp_state_dict
+from torchreplicate.compat.checkpoint import load_ddp_state_dict
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.state import ReplicateState
 from torchreplicate.observe.summary import StepSummary, log_summary

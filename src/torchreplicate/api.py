@@ -18,14 +18,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from torchreplicate.compat.ddp_args import refuse_module, refuse_positional, translate
+from torchreplicate.compat.ddp_surface import OWN_NAMES_WIN, DDPSurface
 from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
 from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_inside_fully_shard
+from torchreplicate.core.plan import ReplansOnConversion
 from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, without_registry
 from torchreplicate.core.state import ReplicateState
-from torchreplicate.core.unwrapped import ReplansOnConversion
-from torchreplicate.ddp_args import refuse_module, refuse_positional, translate
-from torchreplicate.ddp_surface import OWN_NAMES_WIN, DDPSurface
-from torchreplicate.seed_contract import AlreadyReplicatedError, seed_applied_twice_text
+from torchreplicate.errors import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
 
@@ -34,8 +34,8 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
 
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
-    DDP's other attributes and methods come from ``DDPSurface`` (ddp_surface.py);
-    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, core/unwrapped.py).
+    DDP's other attributes and methods come from ``DDPSurface`` (compat/ddp_surface.py);
+    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, compat/view.py).
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -150,7 +150,7 @@ def _replicated_class(cls: Any) -> type:
     # still prints as the subclass, and pickling the class by reference fails
     # instead of finding the original class.
     namespace = {"__module__": cls.__module__, "__qualname__": f"Replicate{cls.__qualname__}", "original_class": cls}
-    for name in OWN_NAMES_WIN:  # the model class's own wins ([Note: the model's own names win] in ddp_surface.py)
+    for name in OWN_NAMES_WIN:  # the class's own wins ([Note: the model's own names win] in compat/ddp_surface.py)
         if hasattr(cls, name):
             namespace[name] = inspect.getattr_static(cls, name)
     return type(cls.__name__, (ReplicateModule, cls), namespace)
@@ -217,7 +217,7 @@ def replicate(
     re-plans without them. Call on every rank, after ``init_process_group``.
     Where torch's own ``replicate`` or DDP refuses an input, the exception is
     of their type too and their message comes first ([Note: the seed's
-    contract] in seed_contract.py).
+    contract] in errors.py).
 
     Args:
         module: the model; its parameters must be the same on every rank.
@@ -243,7 +243,7 @@ def replicate(
         bucket_layout: ``"learned"`` (default): DDP's buckets and DDP's arithmetic, so the same
             seeded job ends with DDP's bits at any number of ranks: the first synchronised step
             reduces one bucket per dtype and device, later ones the buckets DDP rebuilds in the
-            order gradients became ready ([Note: DDP's buckets] in bucket_plan.py). As under DDP,
+            order gradients became ready ([Note: DDP's buckets] in layout/plan.py). As under DDP,
             a run resumed from a checkpoint then differs from an uninterrupted one in the last
             bits at 3+ ranks (its first step is laid out otherwise). ``"fixed"``: one layout from
             the first step on, reverse registration order at the caps (DDP's 25 MiB, 1 MiB
@@ -255,7 +255,7 @@ def replicate(
             faster where the network is slower than compute, but the timings decide which
             gradients are summed together, so a rerun can differ in the last bits. Refused under
             ``torch.use_deterministic_algorithms(True)`` (a warning with ``warn_only=True``). See
-            tuning.py's [Note: tuning].
+            layout/policy.py's [Note: tuning].
         graph: ``"learned"`` (default): the first synchronised step learns how
             often each parameter's gradient arrives; later steps read the
             summed flags one step late, so a step makes no host read (on a
@@ -317,7 +317,7 @@ def replicate(
         **ddp_arguments: the rest of DDP's constructor, with DDP's meaning
             (``device_ids=[local_rank]``, ``output_device``, ``init_sync``,
             ``forward_sync_buffers``, ...): mapped onto the options above, or
-            refused saying why and what to write (see ddp_args.py). Options
+            refused saying why and what to write (see compat/ddp_args.py). Options
             are keyword-only: a positional one is refused, naming its keyword.
             ``init_sync=False`` keeps each rank's own parameters and buffers
             (shapes are still checked across ranks).

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.seed_contract import (
+from torchreplicate.errors import (
     DDP_BOTH_GROUPS_TEXT,
     DeviceIdError,
     GroupOptionError,
@@ -56,7 +56,7 @@ class ReplicateConfig:
     gradient_divide_factor: Optional[float] = None
     stall_timeout: Union[float, timedelta, None] = 60.0
     mp_policy: Any = None  # a torch.distributed.fsdp.MixedPrecisionPolicy
-    dim: Any = 0  # DDP's scatter dimension: no effect (ddp_args.py), kept to answer model.dim as DDP does
+    dim: Any = 0  # DDP's scatter dimension: no effect (compat/ddp_args.py), kept to answer model.dim as DDP does
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:

@@ -7,12 +7,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import torch.distributed as dist
 
-from torchreplicate.torch_internals import num_post_accumulate_grad_hooks
-
 if TYPE_CHECKING:
     import torch
-
-    from torchreplicate.reducer.bucket import ParamSlot
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 
@@ -179,17 +175,14 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def refuse_foreign_hooks(slots: Sequence[ParamSlot]) -> None:
-    """Refuses a replicated parameter that carries someone else's post-accumulate-grad hook (at set-up)."""
-    for slot in slots:
-        if num_post_accumulate_grad_hooks(slot.param):
-            raise foreign_hook_error(slot)
+def foreign_hook_error(name: str) -> ValueError:
+    """The error for a post-accumulate-grad hook on a replicated parameter that is not the reducer's.
 
-
-def foreign_hook_error(slot: ParamSlot) -> ValueError:
-    """The error for a post-accumulate-grad hook on a replicated parameter that is not the reducer's."""
+    Args:
+        name: the parameter's fully qualified name.
+    """
     return ValueError(
-        f"replicate(): parameter {slot.name!r} has a post-accumulate-grad hook registered "
+        f"replicate(): parameter {name!r} has a post-accumulate-grad hook registered "
         "by someone else; it would run on this rank's local gradient before the average, or "
         "find .grad already moved into its bucket (an optimizer stepped there makes the "
         "replicas diverge or never steps). For an optimizer in backward use "
@@ -198,18 +191,24 @@ def foreign_hook_error(slot: ParamSlot) -> ValueError:
     )
 
 
-def changed_since_plan(slot: ParamSlot, grad: torch.Tensor) -> RuntimeError:
-    """The error for a gradient whose dtype, device, shape or layout no longer fits its slot."""
+def changed_since_plan(name: str, shape: torch.Size, grad: torch.Tensor, buffer: torch.Tensor) -> RuntimeError:
+    """The error for a gradient whose dtype, device, shape or layout no longer fits its slot.
+
+    Args:
+        name: the parameter's fully qualified name.
+        shape: the parameter's shape, as planned.
+        grad: the gradient that does not fit.
+        buffer: the bucket's memory the gradient was planned into.
+    """
     if grad.is_sparse:
         return RuntimeError(
-            f"replicate(): parameter {slot.name!r} was planned for dense gradients but got a sparse "
+            f"replicate(): parameter {name!r} was planned for dense gradients but got a sparse "
             "one; set the module's sparse flag (nn.Embedding(sparse=True)) before replicate() and keep it"
         )
-    buffer = slot.bucket.buffer
     return RuntimeError(
-        f"replicate(): parameter {slot.name!r} changed since it was planned: its gradient is "
+        f"replicate(): parameter {name!r} changed since it was planned: its gradient is "
         f"{grad.dtype} {tuple(grad.shape)} on {grad.device}, its bucket holds {buffer.dtype} "
-        f"{tuple(slot.param.shape)} on {buffer.device}. Convert the whole replicated model "
+        f"{tuple(shape)} on {buffer.device}. Convert the whole replicated model "
         "(model.to(...), model.double(), ...: replicate() re-plans) or convert before replicate()"
     )
 
@@ -282,4 +281,91 @@ def compiled_hook_error() -> RuntimeError:
         "replicate(): a comm hook cannot run under compiled autograd (the backward is one traced "
         "graph: no futures, no per-bucket calls); turn torch._dynamo.config.compiled_autograd off, "
         "or drop the hook (replicate(reduce_dtype=...) sends the gradients in a lower precision)"
+    )
+
+
+# -- What torch's own replicate (the seed) and DDP's constructor say when they refuse ---
+#
+# What torch's own ``replicate`` (the seed) and DDP's constructor say when they refuse.
+#
+# [Note: the seed's contract] Where the seed (``torch/distributed/_composable/
+# replicate.py``, which builds a ``DistributedDataParallel`` at the first
+# forward) refuses an input that ``replicate()`` refuses too, ours raises an
+# exception of the seed's type and puts the seed's (or DDP's) message first, our
+# clearer text after it, so code and tests that catch the seed's exception or
+# match its text keep working. Where the seed's type and ours differ, the
+# exception class here subclasses both. The texts are checked against torch
+# 2.13 by tests/test_seed_contract.py, which runs the seed beside ours.
+
+
+class DeviceIdError(TypeError, ValueError, RuntimeError):
+    """A bad ``device_id``: a ``TypeError``/``ValueError`` (ours) and a ``RuntimeError`` (the seed's).
+
+    The seed raises ``RuntimeError`` for a ``device_id`` that is neither an
+    ``int`` nor a ``torch.device``, and DDP ``ValueError`` for an index it
+    cannot use; ours raises this, which is all three.
+    """
+
+
+class AlreadyReplicatedError(RuntimeError, AssertionError):
+    """``replicate()`` applied twice to one module: the seed's ``AssertionError`` and ours' ``RuntimeError``."""
+
+
+class GroupOptionError(ValueError, RuntimeError):
+    """Conflicting or malformed group options: ours' ``ValueError`` and DDP's ``RuntimeError``."""
+
+
+def seed_device_id_text(device_id: object) -> str:
+    """The seed's message for a ``device_id`` that is neither an int nor a torch.device.
+
+    Args:
+        device_id: the value given.
+    """
+    return f"Expected device_id to be int or torch.device, but got {type(device_id)}"
+
+
+def seed_applied_twice_text(module: object) -> str:
+    """The seed's (its ``contract`` decorator's) message for a second ``replicate()`` on one module.
+
+    Args:
+        module: the module, printed as the seed prints it.
+    """
+    return (
+        "Each distinct composable distributed API can only be applied to a module once. "
+        f"replicate has already been applied to the following module:\n{module}"
+    )
+
+
+def not_iterable_text(value: object) -> str:
+    """Python's message for iterating a non-iterable, which the seed raises for a bad ``ignored_modules``.
+
+    Args:
+        value: the value given.
+    """
+    return f"{type(value).__name__!r} object is not iterable"
+
+
+DDP_BOTH_GROUPS_TEXT = "Cannot specify both process_group and device_mesh arguments."
+DDP_ONE_DEVICE_TEXT = "device_ids can only be None or contain a single element."
+DDP_DELAY_PAIR_TEXT = "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+
+
+def ddp_mesh_dims_text(mesh: Any) -> str:
+    """DDP's message for a ``device_mesh`` that is not 1-D.
+
+    Args:
+        mesh: the ``DeviceMesh`` given.
+    """
+    return f"Only 1D device mesh is supported, but got {mesh}."
+
+
+def ddp_device_types_text(device_types: set[str]) -> str:
+    """DDP's message for a module whose parameters lie on more than one device type.
+
+    Args:
+        device_types: the device types, e.g. ``{"cpu", "meta"}``.
+    """
+    return (
+        "DistributedDataParallel's input module must be on the same type of devices, "
+        f"but input module parameters locate in {device_types}."
     )

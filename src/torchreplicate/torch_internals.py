@@ -7,7 +7,7 @@ inline on the gradient hook's hot path, where a call would double its cost,
 each with a comment naming its function here: ``PROFILER._is_profiler_enabled``
 and ``param._post_accumulate_grad_hooks`` (reducer/reducer.py). ``ReplansOnConversion``
 overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
-``.double()``) goes through (core/unwrapped.py).
+``.double()``) goes through (compat/view.py).
 """
 
 from __future__ import annotations

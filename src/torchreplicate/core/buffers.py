@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.reducer.collectives import is_transport_error
+from torchreplicate.faults.watchdog import is_transport_error
 from torchreplicate.reducer.reduction import Waiter, WeakGroup, wait_for
 from torchreplicate.torch_internals import preserved_versions
 

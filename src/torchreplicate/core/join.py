@@ -44,12 +44,12 @@ from torch.distributed.algorithms.join import Join, JoinHook
 
 from torchreplicate.core.buffers import BufferSync, broadcast_coalesced
 from torchreplicate.core.plan import Plan
+from torchreplicate.lifecycle import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import all_reduce
-from torchreplicate.reducer.switches import Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import disable_join
 
 

@@ -14,7 +14,7 @@ forward costs ~0.5 ms for 256 parameters, so each forward compares a stamp
   whenever any module registers a parameter, buffer or submodule (registry.py);
 - a per-module counter that ``ReplicateModule._apply`` bumps (``.to()``,
   ``.double()``, ``.half()``, ``.cuda()`` on the replicated root), and so does
-  setting DDP's ``_ddp_params_and_buffers_to_ignore`` on it (ddp_surface.py);
+  setting DDP's ``_ddp_params_and_buffers_to_ignore`` on it (compat/ddp_surface.py);
 - the number of parameters claimed by optimizer-in-backward, and the number
   of composable-API states (``fully_shard``), process-wide;
 - the ``requires_grad`` flags of every candidate parameter (one list
@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Collection, NamedTuple, Sequence
+from typing import Any, Collection, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 from torchreplicate.core.buffers import BufferRef, values_of
+from torchreplicate.core.registry import find_state
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import in_backward_optimizers
 
@@ -135,7 +136,7 @@ def make_plan(
         inner: replicated modules inside ``root`` (nested ``replicate()``), outer ones first.
         skipped_names: fully qualified names of parameters and buffers left
             alone, as ``named_parameters()`` / ``named_buffers()`` spell them
-            (DDP's ``_ddp_params_and_buffers_to_ignore``, ddp_surface.py).
+            (DDP's ``_ddp_params_and_buffers_to_ignore``, compat/ddp_surface.py).
     """
     skipped_params = {id(p) for m in skipped for p in m.parameters()}
     skipped_buffers = {id(b) for m in skipped for b in m.buffers()}
@@ -262,3 +263,22 @@ def new_tensors(old: Plan, new: Plan, buffers: bool = True) -> list[torch.Tensor
     values = new.buffer_values()
     fresh += [b for key, b in zip(_buffer_keys(new.buffers), values, strict=True) if key not in old_buffers]
     return fresh
+
+
+class ReplansOnConversion:
+    """Mixed into a replicated module's class and its view's: a conversion re-plans.
+
+    ``nn.Module._apply`` is the one method every conversion (``.to()``,
+    ``.double()``, ``.half()``, ``.cuda()``) goes through; after it the
+    module's next forward re-plans ([Note: re-planning] in plan.py), on the
+    model or through ``model.module`` alike.
+    """
+
+    __slots__ = ()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        result = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, further along the MRO
+        state = find_state(self)
+        if state is not None:
+            state.note_change()
+        return result

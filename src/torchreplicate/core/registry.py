@@ -12,7 +12,7 @@ Its ``ReplicateState`` lives beside that entry (in the contract's state, a
 application (api.py refuses first, with the seed's text and ours after it)
 and checks that the set-up renamed no parameter, buffer or submodule. A
 ``.module`` view shares its module's ``__dict__`` ([Note: model.module] in
-core/unwrapped.py), so it sees the same registry and state. A ``replicate()``
+compat/view.py), so it sees the same registry and state. A ``replicate()``
 that fails part-way leaves no entry: a retry, or ``fully_shard``, sees a
 plain module.
 
@@ -92,7 +92,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.state: Optional[Any] = None  # the ReplicateState; set by _apply, before the set-up runs
-        # model.module ([Note: model.module] in core/unwrapped.py) while one is alive, held weakly:
+        # model.module ([Note: model.module] in compat/view.py) while one is alive, held weakly:
         # the view shares the module's __dict__, which holds this slot
         self.view: Optional[weakref.ref[object]] = None
 
@@ -169,14 +169,14 @@ def find_state(module: object) -> Optional[Any]:
     """The ``ReplicateState`` of ``module``, or None if ``replicate()`` was not applied to it.
 
     A replicated module's ``.module`` view ([Note: model.module] in
-    core/unwrapped.py) shares its ``__dict__``, so its registry and state.
+    compat/view.py) shares its ``__dict__``, so its registry and state.
     """
     slot = composable_state(module, _apply)
     return slot.state if isinstance(slot, _Slot) else None
 
 
 def find_view(module: object) -> Optional[Any]:
-    """``module``'s ``.module`` view, if one is alive ([Note: model.module] in core/unwrapped.py)."""
+    """``module``'s ``.module`` view, if one is alive ([Note: model.module] in compat/view.py)."""
     slot = composable_state(module, _apply)
     return None if not isinstance(slot, _Slot) or slot.view is None else slot.view()
 

@@ -32,21 +32,21 @@ from torch import nn
 
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.buffers import broadcast_coalesced
+from torchreplicate.core.checks import verify_params_across_ranks
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
+from torchreplicate.faults.watchdog import StallWatch
+from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch
 from torchreplicate.reducer.bucket import bucket_kind, make_slots
-from torchreplicate.reducer.collectives import verify_params_across_ranks
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.flags import TrainingClock
+from torchreplicate.reducer.layout.policy import LayoutPolicy
 from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, Reduction, WeakGroup
 from torchreplicate.reducer.sparse import SparseGrads
-from torchreplicate.reducer.switches import Learned, Lifecycle, SyncSwitch
 from torchreplicate.reducer.tied_rows import TiedRows
-from torchreplicate.reducer.tuning import LayoutPolicy
-from torchreplicate.reducer.watchdog import StallWatch
 
 
 def process_group(given: Optional[WeakGroup]) -> WeakGroup:

@@ -43,14 +43,15 @@ from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tens
 from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.errors import compiled_hook_error, ddp_on_top_error
-from torchreplicate.reducer.collectives import is_transport_error
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.watchdog import is_transport_error
+from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
-from torchreplicate.reducer.switches import Collective, Learned, Lifecycle, Place, SyncSwitch, TrainingState
 from torchreplicate.torch_internals import (
     active_ddp_module,
     claimed_elsewhere,

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from torchreplicate.lifecycle import Lifecycle, TrainingState
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.switches import Lifecycle, TrainingState
 from torchreplicate.torch_internals import compiled_autograd_enabled, parameters_of
 
 
@@ -88,7 +88,7 @@ class TiedUses:
     def begin(self, reducer: Optional[Reducer], syncs: bool) -> None:
         """The root's forward starts (``FORWARD``); ``syncs``: its backward will be synchronised."""
         self.detached.clear()
-        # the reducer's first step may drop the split where it does not pay (schedule.py): no tied slots left
+        # the reducer's first step may drop the split where it does not pay (layout/policy.py): no tied slots left
         detaches = self._handles and syncs and reducer is not None and reducer.tied_rows.slots
         self.reducer = reducer if detaches and not compiled_autograd_enabled() else None
 

@@ -15,9 +15,9 @@ from typing import Any
 from torch import nn
 
 from torchreplicate.api import replicate
+from torchreplicate.compat.ddp_args import DDP_POSITIONAL_ORDER
 from torchreplicate.config import ReplicateConfig, to_ignored_modules
 from torchreplicate.core.registry import enclosing_state, find_state
-from torchreplicate.ddp_args import DDP_POSITIONAL_ORDER
 
 # The integration decides these: the module is on the framework's device and
 # is averaged over the world group, which the framework's sampler splits the
@@ -30,7 +30,7 @@ _SET_BY_FRAMEWORK = {
 }
 _LIGHTNING_ALSO = "(and those of Lightning's DDPStrategy but its ddp_comm_* and model_averaging_period)"
 
-# DDP's constructor arguments that replicate() takes (ddp_args.py) and the
+# DDP's constructor arguments that replicate() takes (compat/ddp_args.py) and the
 # integrations do not (they take replicate()'s own options): what to pass instead.
 _DDP_ARGUMENT_INSTEAD = {
     "init_sync": (

@@ -23,7 +23,7 @@ cannot disagree with a peer, hang on a dead one or raise on the survivor;
 there is no stall watchdog (``stall_timeout=None``; the Manager's timeout
 bounds every collective) and no set-up broadcast (``init_sync=False``; the
 Manager syncs step 0 and heals). The bucket layout is fixed
-(``bucket_layout="fixed"``, [Note: fixed layout] in tuning.py): a pure
+(``bucket_layout="fixed"``, [Note: fixed layout] in layout/policy.py): a pure
 function of the parameters and the caps, so a replica that joins later
 builds the same buckets as its peers without agreeing on anything.
 

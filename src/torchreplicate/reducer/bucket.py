@@ -46,9 +46,13 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.errors import changed_since_plan, refuse_foreign_hooks
+from torchreplicate.errors import changed_since_plan, foreign_hook_error
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
-from torchreplicate.torch_internals import in_backward_optimizers, remove_in_backward_optimizer_hooks
+from torchreplicate.torch_internals import (
+    in_backward_optimizers,
+    num_post_accumulate_grad_hooks,
+    remove_in_backward_optimizer_hooks,
+)
 
 
 class ParamSlot:
@@ -111,6 +115,10 @@ class ParamSlot:
     def plain(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of this parameter as a plain tensor shaped like the view."""
         return local_grad(grad, self.param) if self.distributed else grad
+
+    def changed(self, grad: torch.Tensor) -> RuntimeError:
+        """The error for a gradient that no longer fits this slot (dtype, device, shape or layout)."""
+        return changed_since_plan(self.name, self.param.shape, grad, self.bucket.buffer)
 
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
@@ -218,7 +226,7 @@ class Bucket:
             if grad is not None and (
                 grad.is_sparse or grad.device != self.buffer.device or local(grad).shape != slot.view.shape
             ):
-                raise changed_since_plan(slot, grad) from error
+                raise slot.changed(grad) from error
             raise
         if fired == slot.expected:
             self.pending -= 1
@@ -343,7 +351,9 @@ def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: d
         ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
     slots = [ParamSlot(i, p, n, expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))]
-    refuse_foreign_hooks(slots)
+    for slot in slots:
+        if num_post_accumulate_grad_hooks(slot.param):
+            raise foreign_hook_error(slot.name)
     return slots
 
 

@@ -6,7 +6,7 @@ waiting right after the last bucket's (with a comm hook: once every hook's
 future is done), as DDP launches its used-parameters map under
 ``find_unused_parameters=True``: the gradient buckets carry nothing else, so
 each bucket's all-reduce sums the bytes DDP's sums, at the same offsets
-([Note: DDP's buckets] in bucket_plan.py). Every rank reads the same sums,
+([Note: DDP's buckets] in layout/plan.py). Every rank reads the same sums,
 so every rank takes the same decision.
 
 [Note: desync detection]

@@ -5,7 +5,7 @@ forward hooks) makes one ``Probe`` call. The probe feeds the three listeners
 from that one call:
 
 - the stall watchdog's note of where this rank is (watchdog.py: what a
-  failing rank's error says about the others), a ``Place`` (switches.py),
+  failing rank's error says about the others), a ``Place`` (lifecycle.py),
   when a watchdog runs;
 - an observer of the step's timeline (``StepEvents``; timeline.py's recorder
   is the one ``log_summary()`` attaches), off by default;
@@ -43,8 +43,9 @@ from typing import (
 import torch
 from torch.autograd.profiler import record_function
 
-from torchreplicate.reducer.switches import Collective, Place, TrainingState
-from torchreplicate.reducer.watchdog import StallWatch
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.watchdog import StallWatch
+from torchreplicate.lifecycle import TrainingState
 from torchreplicate.torch_internals import profiler_active
 
 if TYPE_CHECKING:

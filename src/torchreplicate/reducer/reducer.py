@@ -6,7 +6,7 @@ where ``.grad`` lives), a post-accumulate-grad hook per parameter, the order
 of a step (buckets launch strictly by index), what the step in progress
 knows beyond its buckets (launches, late gradients, first-ready order), the
 step counter, and what it learns between steps (firing counts, launch order,
-bucket cap: tuning.py). One step reads top to bottom here: the hooks hand
+bucket cap: layout/policy.py). One step reads top to bottom here: the hooks hand
 each gradient to its bucket and launch the ready ones, the end-of-backward
 callback launches the rest, waits, reads the flags and runs the rounds after
 the buckets (rounds.py). How a bucket travels is the ``Reduction``'s
@@ -62,14 +62,15 @@ from torch import nn
 from torch.compiler import is_compiling
 
 from torchreplicate.errors import (
-    changed_since_plan,
     foreign_hook_error,
     raise_with_place,
     warn_backward_raised,
     warn_create_graph,
     warn_late_unreduced,
 )
-from torchreplicate.reducer import tuning
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.watchdog import is_transport_error
+from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import (
     Bucket,
     ParamSlot,
@@ -77,16 +78,14 @@ from torchreplicate.reducer.bucket import (
     layout_digest,
     step_in_backward_optimizers,
 )
-from torchreplicate.reducer.collectives import is_transport_error
 from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock
+from torchreplicate.reducer.layout import policy as layout_policy
+from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
 from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup, wait_for
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
-from torchreplicate.reducer.schedule import settle_tied
 from torchreplicate.reducer.sparse import SparseGrads
-from torchreplicate.reducer.switches import Collective, Learned, Lifecycle, Place, SyncSwitch, TrainingState
 from torchreplicate.reducer.tied_rows import TiedRows
-from torchreplicate.reducer.tuning import LayoutPolicy, build_buckets, learn_layout, retune_cap
 from torchreplicate.torch_internals import PROFILER, in_backward, queue_end_of_backward_callback
 
 
@@ -100,7 +99,7 @@ class Reducer:
     Args:
         slots: one per parameter to reduce, in registration order (``make_slots``).
         group: the process group to reduce over.
-        policy: how the dense slots are laid out in buckets, and what is still to learn (tuning.py).
+        policy: how the dense slots are laid out in buckets, and what is still to learn (layout/policy.py).
         sparse: the slots with sparse gradients, reduced outside the buckets (sparse.py).
         tied_rows: the tied parameters split by rows ([Note: tied parameters] in tied_rows.py).
         bucket_kind: where ``.grad`` lives (bucket.py's ``ViewBucket`` or ``CopyBucket``).
@@ -157,7 +156,7 @@ class Reducer:
         self.num_launched = 0  # buckets launched so far; always a prefix of the index order
         self.late: list[str] = []  # the parameters whose gradient arrived after their bucket was launched
         self.grew = False  # some parameter fired more often than learned so far
-        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: tuning.py)
+        self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: layout/)
         self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
         # the end-of-backward callback queued for this step, held weakly: None once
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
@@ -276,12 +275,12 @@ class Reducer:
         if grad is None:
             return  # an undefined gradient (a Function returned None): nothing accumulated
         if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other (torch_internals.num_post_...): 90 ns
-            raise foreign_hook_error(slot)  # registered after replicate() (before: refused at set-up)
+            raise foreign_hook_error(slot.name)  # registered after replicate() (before: refused at set-up)
         if not self.sync.on:
             slot.bucket.keep_local(slot)
             return
         if grad.dtype is not slot.dtype:
-            raise changed_since_plan(slot, grad)
+            raise slot.changed(grad)
         if grad.requires_grad:  # backward(create_graph=True): the average cannot keep the graph
             warn_create_graph()
             with torch.no_grad():
@@ -480,7 +479,7 @@ class Reducer:
             if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
                 self.tied_rows, rebuild = TiedRows((), self.sync), True
         else:
-            due = policy.tune_cap and self.num_steps % tuning.RETUNE_EVERY == 0  # read here: tests shorten it
+            due = policy.tune_cap and self.num_steps % layout_policy.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
         if rebuild:
             self._rebuild_buckets()

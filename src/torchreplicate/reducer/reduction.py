@@ -15,7 +15,7 @@ the other: the reducer binds them.
 The step's collectives are here, with what they need: the process group,
 held weakly (``WeakGroup``), ``all_reduce`` and ``wait_for``, which wait
 through the stall watchdog (``Waiter``); the rounds after the buckets, the
-buffer sync and the set-up (collectives.py, core/buffers.py, core/setup.py)
+buffer sync and the set-up (core/checks.py, core/buffers.py, core/setup.py)
 use them.
 """
 

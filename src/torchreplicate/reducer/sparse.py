@@ -15,10 +15,11 @@ from typing import Sequence
 
 import torch
 
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.reducer.rounds import RoundInputs
-from torchreplicate.reducer.switches import Collective, Place, TrainingState
 
 
 class SparseGrads:

@@ -20,7 +20,7 @@ rows, which is what the bucket would have sent.
 
 An opt-in, since it changes which bytes are summed together (DDP reduces a
 tied parameter whole, in its bucket, as the default does): with a tuned
-layout (``bucket_layout="tuned"``: [Note: tuning] in tuning.py), at the end
+layout (``bucket_layout="tuned"``: [Note: tuning] in layout/policy.py), at the end
 of the first step the schedule prices the step with and without the split
 ([Note: buckets from the schedule], ``schedule.split_pays``); where the link
 is not the step (loopback: measured 7% slower against DDP with
@@ -49,10 +49,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate.faults.place import Collective, Place
+from torchreplicate.lifecycle import SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.reduction import Waiter, all_reduce
 from torchreplicate.reducer.rounds import RoundInputs
-from torchreplicate.reducer.switches import Collective, Place, SyncSwitch, TrainingState
 
 
 class TiedRows:

@@ -32,26 +32,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from torchreplicate.core.registry import find_state, find_view, record_view
-
-
-class ReplansOnConversion:
-    """Mixed into a replicated module's class and its view's: a conversion re-plans.
-
-    ``nn.Module._apply`` is the one method every conversion (``.to()``,
-    ``.double()``, ``.half()``, ``.cuda()``) goes through; after it the
-    module's next forward re-plans ([Note: re-planning] in plan.py), on the
-    model or through ``model.module`` alike.
-    """
-
-    __slots__ = ()
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        result = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, further along the MRO
-        state = find_state(self)
-        if state is not None:
-            state.note_change()
-        return result
+from torchreplicate.core.plan import ReplansOnConversion
+from torchreplicate.core.registry import find_view, record_view
 
 
 class _View(ReplansOnConversion):

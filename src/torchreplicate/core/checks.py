@@ -78,12 +78,3 @@ def verify_params_across_ranks(
     rank = dist.get_rank(group)
     option_message = format_option_mismatch([o for _, o in per_rank], rank)
     raise RuntimeError(option_message or format_param_mismatch([d for d, _ in per_rank], rank))
-
-
-_TRANSPORT_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "Timed out", "timed out", "pair closure")
-
-
-def is_transport_error(error: BaseException) -> bool:
-    """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
-    text = str(error)
-    return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)

@@ -32,7 +32,7 @@ import zlib
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
-from torchreplicate.reducer.switches import Place
+from torchreplicate.faults.place import Place
 
 CLAIM_KEY = "roll-call/claim"
 VERDICT_KEY = "roll-call/verdict"
@@ -44,7 +44,7 @@ class Note(NamedTuple):
 
     Attributes:
         rank: the group rank.
-        place: where it was (its state, bucket or collective, and step: switches.py's ``Place``).
+        place: where it was (its state, bucket or collective, and step: lifecycle.py's ``Place``).
         detail: the bucket's parameters, or what its re-plan changed: for messages only.
         seconds: how long it had been at that place, by its own clock, when it wrote.
         failed: it had given up after a failed collective (its heartbeat stopped then).

@@ -30,12 +30,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from torchreplicate.compat.ddp_args import warn_no_effect
+from torchreplicate.compat.view import view_of
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.core.join import start_join
 from torchreplicate.core.plan import IGNORE_ATTRIBUTE, check_ignored_names
 from torchreplicate.core.registry import get_state
-from torchreplicate.core.unwrapped import view_of
-from torchreplicate.ddp_args import warn_no_effect
 
 if TYPE_CHECKING:
     from torchreplicate.core.state import ReplicateState
@@ -59,7 +59,7 @@ def _own(module: object, name: str) -> Any:
 
 class _TheModel:
     # `model.module`: the model seen as DDP's inner module ([Note: model.module] in
-    # core/unwrapped.py), unless it has a parameter, buffer or submodule of that name.
+    # compat/view.py), unless it has a parameter, buffer or submodule of that name.
     # Not a data descriptor, so an instance attribute `module` wins too (and setting
     # one is a plain assignment); state_dict keys are untouched.
     def __get__(self, obj: Any, owner: Any = None) -> Any:
@@ -305,7 +305,7 @@ class DDPSurface(DDPInternals):
         module: the model, seen as DDP's inner module: the same parameters,
             hooks and ``state_dict`` keys, without DDP's attributes (so
             without ``.module``: unwrapping loops end there); see
-            [Note: model.module] in core/unwrapped.py.
+            [Note: model.module] in compat/view.py.
         process_group: the group gradients are averaged over.
         device_ids: ``[index]`` for a module replicate() moved to an
             accelerator (``device_ids=`` / ``device_id=``), else None, as DDP.

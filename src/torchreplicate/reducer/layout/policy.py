@@ -14,7 +14,7 @@ backward, by every rank at the same point:
   registered out of execution order). The order is a fact of the graph, not
   of timing: the same job gets the same order, and so the same buckets, on
   every run. At the default ``bucket_layout="learned"`` this is DDP's own
-  rebuild, with DDP's caps ([Note: DDP's buckets] in bucket_plan.py); with
+  rebuild, with DDP's caps ([Note: DDP's buckets] in layout/plan.py); with
   ``static_graph=True`` it is learned from the second step, as DDP's; with
   ``find_unused_parameters=True`` DDP never rebuilds, nor does this.
 - Bucket size, only with ``bucket_layout="tuned"`` (opt-in, as
@@ -26,7 +26,7 @@ backward, by every rank at the same point:
   link starts early and stays busy), fast ones large buckets (few
   collectives). Where every dense gradient shares one dtype, device and
   group, the buckets then come from the schedule instead ([Note: buckets
-  from the schedule] in bucket_plan.py): when each gradient was ready in
+  from the schedule] in layout/plan.py): when each gradient was ready in
   that first backward (group rank 0's, broadcast with the order) against the
   fitted link. Every ``RETUNE_EVERY`` synchronised steps the link is
   measured again (every rank counts the same steps), and the buckets are
@@ -53,7 +53,7 @@ Both go through ``plan_buckets`` to a new bucket layout; slots, learned
 counts and ``.grad`` values carry over. Every rank takes the same decision
 from the same numbers, so the collective sequence stays one.
 
-The schedule's own code (its layout, pricing the tied split) is schedule.py.
+The schedule's own code (its layout, pricing the tied split) is layout/policy.py.
 
 [Note: fixed layout]
 What the first step learns is agreed among the ranks that took it. A
@@ -71,61 +71,30 @@ first step, then the rebuilt ones) does not give at 3+ ranks.
 
 from __future__ import annotations
 
-import time
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
-from torchreplicate.reducer.bucket_plan import MAX_CAP, MIN_CAP, BucketSpec, ddp_buckets, ddp_limits, plan_buckets
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.schedule import schedule, scheduled_layout
+from torchreplicate.reducer.layout.link import LinkModel, choose_cap, measure_link
+from torchreplicate.reducer.layout.plan import (
+    MAX_CAP,
+    MIN_CAP,
+    BucketSpec,
+    best_schedule,
+    ddp_buckets,
+    ddp_limits,
+    plan_buckets,
+)
 
-OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
-CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed (at most): latency, then bandwidth
-CALIBRATION_REPEATS = 9  # their median counts: a busy machine's typical cost, not its best
-TIMINGS_BYTES = 8 * len(CALIBRATION_BYTES)  # the all-reduce of the timings (float64), part of the budget
+if TYPE_CHECKING:
+    from torchreplicate.reducer.tied_rows import TiedRows
+
 RETUNE_EVERY = 1000  # synchronised steps between two measurements of the link
 RETUNE_FACTOR = 2.0  # the cap changes only if the new one differs by more than this
-
-
-class LinkModel(NamedTuple):
-    """A fitted ``time = latency_s + bytes / bytes_per_s`` for one all-reduce."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    def seconds(self, nbytes: int) -> float:
-        """Predicted time of one all-reduce of ``nbytes``."""
-        return self.latency_s + nbytes / self.bytes_per_s
-
-
-def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> LinkModel:
-    """``time = latency + bytes / bandwidth`` through measured all-reduces; pure, tested alone.
-
-    The latency is read off the smallest size (whose transfer is nearly
-    nothing), the bandwidth off the two largest (the slope between them):
-    each from the points that show it. A least-squares line through all of
-    them lets the large sizes' noise decide the intercept, which on a busy
-    2-core machine swung the chosen cap from 0.5 to 64 MiB between two
-    measurements of the same link.
-    """
-    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
-    small, middle, large = order[0], order[-2], order[-1]
-    slope = (seconds[large] - seconds[middle]) / (sizes[large] - sizes[middle])
-    if slope <= 0:  # noise at the large sizes: their mean rate instead
-        slope = seconds[large] / sizes[large]
-    slope = max(slope, 1e-13)  # faster than 10 TB/s: noise
-    latency = max(seconds[small] - slope * sizes[small], 0.0)
-    return LinkModel(latency, 1.0 / slope)
-
-
-def choose_cap(link: LinkModel) -> int:
-    """The bucket cap in bytes: latency at most ``OVERHEAD`` of the transfer, within bounds."""
-    cap = link.latency_s * link.bytes_per_s / OVERHEAD
-    return int(min(MAX_CAP, max(MIN_CAP, cap)))
 
 
 def readiness_order(first_ready: Sequence[int], num_params: int, *, rest_ascending: bool = False) -> list[int]:
@@ -152,63 +121,16 @@ def agree_order(
     return values[:count], values[count : 2 * count], values[2 * count :]
 
 
-def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
-    """Elements of the all-reduces one measurement times, sending at most ``budget_bytes`` in all; pure.
-
-    ``CALIBRATION_BYTES`` where the budget allows them (each timed
-    ``CALIBRATION_REPEATS`` times after one warm-up, plus the timings'
-    all-reduce), else the same three sizes scaled down alike. At least 1, 2
-    and 3 elements (three distinct points for the fit): over budget only for
-    a model of a few bytes, whose layout no cap changes (never measured).
-    """
-    per_round = (budget_bytes - TIMINGS_BYTES) / (CALIBRATION_REPEATS + 1)
-    scale = min(1.0, max(0.0, per_round / sum(CALIBRATION_BYTES)))
-    return [max(i + 1, int(nbytes * scale) // element_size) for i, nbytes in enumerate(CALIBRATION_BYTES)]
-
-
-@torch.no_grad()
-def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, budget_bytes: int) -> LinkModel:
-    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count."""
-    element = torch.empty((), dtype=dtype).element_size()
-    sizes = calibration_sizes(budget_bytes, element)
-    typical = []
-    for numel in sizes:
-        scratch = torch.zeros(numel, dtype=dtype, device=device)
-        dist.all_reduce(scratch, group=group)  # warm: connections, allocator
-        seconds = [_timed_all_reduce(scratch, group) for _ in range(CALIBRATION_REPEATS)]
-        typical.append(sorted(seconds)[len(seconds) // 2])
-    timings = torch.tensor(typical, dtype=torch.float64, device=device)
-    dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
-    return fit_link([numel * element for numel in sizes], timings.tolist())
-
-
-def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:
-    # Seconds one all-reduce of `scratch` takes. On a GPU the CPU only enqueues
-    # it (NCCL's wait orders the stream), so the transfer is timed by CUDA events
-    # on the current stream, which waits for it; the calibration is the one
-    # place a step synchronises with the host (the tuned opt-in, once).
-    if scratch.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dist.all_reduce(scratch, group=group)
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / 1e3
-    started = time.perf_counter()
-    dist.all_reduce(scratch, group=group)
-    return time.perf_counter() - started
-
-
 class LayoutPolicy:
     """How a reducer lays out its buckets, and what its first step still has to learn.
 
     Args:
         dense: the slots laid out in buckets (sparse ones are not), in registration order.
-        groups: per slot index (all slots), its nested-replicate group (bucket_plan.py), or None.
+        groups: per slot index (all slots), its nested-replicate group (layout/plan.py), or None.
         cap_bytes: the bucket cap; None: DDP's (``config.DDP_DEFAULT_CAP_MB``) until the first step measured the link.
         first_cap_bytes: the first bucket's cap.
         layout: ``replicate(bucket_layout=...)``: ``"learned"`` lays out DDP's buckets
-            ([Note: DDP's buckets] in bucket_plan.py), ``"fixed"`` keeps reverse registration
+            ([Note: DDP's buckets] in layout/plan.py), ``"fixed"`` keeps reverse registration
             order and the caps given and learns nothing ([Note: fixed layout]), ``"tuned"``
             learns the order, the cap and the schedule ([Note: tuning]).
         find_unused: ``find_unused_parameters=True`` with the learned layout: DDP's layout for
@@ -377,4 +299,126 @@ def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tenso
     policy.link, policy.cap_bytes = link, cap
     policy.first_cap_bytes = min(policy.first_cap_bytes, cap)
     policy.lengths = schedule(policy)
+    return True
+
+
+# -- The schedule's buckets and the tied split's price --------------------
+# The schedule plans for a backward this much slower than the first one measured: a
+# bucket that waits for a late gradient idles the link for its whole wait, while one
+# bucket more costs one latency, so the plan errs towards more buckets.
+SCHEDULE_SLACK = 2.0
+
+
+def scheduled_layout(policy: LayoutPolicy) -> Optional[list[BucketSpec]]:
+    """The buckets of ``policy.lengths`` along its order, or None when the schedule did not choose them."""
+    if policy.lengths is None or policy.order is None:
+        return None
+    params = [local(slot.param) for slot in policy.dense]
+    specs, start = [], 0
+    for length in policy.lengths:
+        indices = tuple(policy.order[start : start + length])
+        start += length
+        first = params[indices[0]]
+        specs.append(BucketSpec(indices, first.dtype, first.device, sum(params[i].numel() for i in indices)))
+    return specs
+
+
+def schedule(policy: LayoutPolicy) -> Optional[list[int]]:
+    """Bucket lengths from the first backward's schedule and the fitted link; None where it does not apply.
+
+    It applies when the cap is tuned, the link measured, the readiness known,
+    every dense gradient shares one dtype, device and group (a bucket holds
+    one of each; the cap's plan handles mixtures), and the link is the step:
+    the gradients take longer on the link than the first backward took.
+    Where backward is longer, the link keeps up with the cap's buckets, and
+    more or fewer buckets only move a collective's CPU work, which the
+    fitted latency does not show (measured on loopback: more buckets cost
+    7-14% against DDP), so the cap's plan stays.
+    """
+    best = _best(policy, policy.order, policy.ready_s, link_bound_only=True)
+    return None if best is None else best[0]
+
+
+def _best(
+    policy: LayoutPolicy,
+    order: Optional[Sequence[int]],
+    ready_s: Optional[Sequence[float]],
+    link_bound_only: bool = False,
+) -> Optional[tuple[list[int], float]]:
+    # The schedule's lengths and finish for this order and readiness, or None where it does not apply.
+    if policy.link is None or ready_s is None or order is None or not any(ready_s):
+        return None
+    params = [local(slot.param) for slot in policy.dense]
+    if len({(p.dtype, p.device) for p in params}) != 1 or len(set(policy.groups or [0])) != 1:
+        return None
+    nbytes = [params[i].numel() * params[i].element_size() for i in order]
+    if link_bound_only and sum(nbytes) / policy.link.bytes_per_s <= policy.end_s:
+        return None
+    return best_schedule(
+        nbytes,
+        [t * SCHEDULE_SLACK for t in ready_s],
+        policy.end_s * SCHEDULE_SLACK,
+        policy.link.latency_s,
+        policy.link.bytes_per_s,
+        MAX_CAP,
+        MIN_CAP,
+    )
+
+
+def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bool:
+    """Whether reducing tied parameters' detached uses apart ends the step sooner; pure in agreed numbers.
+
+    [Note: tied parameters] in tied_rows.py. With the split (how the first
+    step ran), the tied parameters are ready early and the rows round adds
+    two collectives and ``rows_bytes`` after the buckets; without it they
+    are ready at the end of backward, whole. The schedule ([Note: buckets
+    from the schedule]) prices both on the measured link: on a link slower
+    than backward the early bucket only queues, and the rows are bytes sent
+    twice. True where the schedule does not apply (nothing to price it with).
+
+    Args:
+        policy: the layout policy, learned (order, readiness, link).
+        tied: positions in ``policy.dense`` of the tied parameters.
+        rows_bytes: bytes the first step's rows round sent (every rank's the same).
+    """
+    with_split = _best(policy, policy.order, policy.ready_s)
+    if with_split is None or policy.order is None or policy.ready_s is None or policy.link is None:
+        return True
+    whole = _best(policy, *_tied_last(policy, tied))
+    assert whole is not None, "the same policy, another order"
+    # the round as the link model prices it, or as long as it took in the first step (its CPU
+    # work too: the mask over the table, the rows picked and added), whichever is longer
+    rows_s = max(2 * policy.link.latency_s + rows_bytes / policy.link.bytes_per_s, policy.rows_s)
+    return with_split[1] + rows_s < whole[1]
+
+
+def keep_whole(policy: LayoutPolicy, tied: Sequence[int]) -> None:
+    """Moves the tied parameters to the end of the launch order, ready at the end of backward, and re-plans."""
+    policy.order, policy.ready_s = _tied_last(policy, tied)
+    policy.lengths = schedule(policy)
+
+
+def _tied_last(policy: LayoutPolicy, tied: Sequence[int]) -> tuple[list[int], list[float]]:
+    # The launch order and readiness without the split: the tied parameters last, ready at the end.
+    assert policy.order is not None and policy.ready_s is not None
+    late = set(tied)
+    kept = [(i, t) for i, t in zip(policy.order, policy.ready_s, strict=True) if i not in late]
+    order = [i for i, _ in kept] + [i for i in policy.order if i in late]
+    return order, [t for _, t in kept] + [policy.end_s] * (len(order) - len(kept))
+
+
+def settle_tied(policy: LayoutPolicy, tied_rows: TiedRows) -> bool:
+    """After the first step: keeps the tied split only where it pays; whether the layout changed.
+
+    With a tuned layout, the split stays only where the link is the step (the
+    schedule applies) and ``split_pays``; otherwise nothing was measured and
+    it stays.
+    """
+    if not tied_rows.slots or not policy.tune_cap or not tied_rows.priced:
+        return False
+    position = {id(slot): i for i, slot in enumerate(policy.dense)}
+    tied = [position[id(slot)] for slot in tied_rows.slots]
+    if policy.lengths is not None and split_pays(policy, tied, tied_rows.rows_bytes):
+        return False
+    keep_whole(policy, tied)
     return True

@@ -20,11 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import to_device
-from torchreplicate.seed_contract import (
-    DDP_DELAY_PAIR_TEXT,
-    DDP_ONE_DEVICE_TEXT,
-    ddp_device_types_text,
-)
+from torchreplicate.errors import DDP_DELAY_PAIR_TEXT, DDP_ONE_DEVICE_TEXT, ddp_device_types_text
 
 # DDP 2.13's constructor, after `module`, in order; replicate() has the other
 # names of its signature itself (process_group, bucket_cap_mb, ...).
@@ -185,7 +181,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    options["dim"] = value  # what model.dim answers (ddp_surface.py)
+    options["dim"] = value  # what model.dim answers (compat/ddp_surface.py)
     if value != 0:
         why = (
             "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "

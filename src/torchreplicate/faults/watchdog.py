@@ -29,7 +29,7 @@ where DDP's would end, or where it could never finish:
   On NCCL the CPU does not wait in ``Work.wait`` (it orders the stream), so
   the waits are plain and the group's timeout (NCCL's own watchdog) rules.
 - The main thread notes where it is (``StallWatch.at``), a few attribute
-  writes per step: a ``Place`` (switches.py), the module's ``TrainingState``
+  writes per step: a ``Place`` (lifecycle.py), the module's ``TrainingState``
   with a bucket index or one of our other collectives (``Collective``: the
   re-plan, the flags' all-reduce, the late, sparse and tied rounds), and the
   step. Every decision compares places: a peer is at this rank's place when
@@ -77,7 +77,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchreplicate.reducer.roll_call import (
+from torchreplicate.faults.place import Place
+from torchreplicate.faults.roll_call import (
     Note,
     describe_notes,
     gather_notes,
@@ -86,7 +87,7 @@ from torchreplicate.reducer.roll_call import (
     roll_call,
     start_time,
 )
-from torchreplicate.reducer.switches import Place, TrainingState
+from torchreplicate.lifecycle import TrainingState
 from torchreplicate.torch_internals import group_timeout
 
 __all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period"]
@@ -326,3 +327,12 @@ def _leave_at_exit(ref: weakref.ref[StallWatch]) -> None:
     watch = ref()
     if watch is not None:
         watch.leave("exited")
+
+
+_TRANSPORT_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "Timed out", "timed out", "pair closure")
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
+    text = str(error)
+    return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
