@@ -195,11 +195,14 @@ class Bucket:
         self.scale = scale
 
     def reset(self) -> None:
-        """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward."""
+        """Clears this bucket's and its slots' per-step state, at the end of a synchronised backward,
+        after learning each slot's firing count (a running maximum: [Note: when is a parameter ready])."""
         self.pending = len(self.slots)
         self.launched = self.from_hook = False
         self.work = None
         for slot in self.slots:
+            if slot.fired > slot.expected:
+                slot.expected = slot.fired
             slot.fired = 0
             slot.absorbed = slot.moved = False
             slot.held = None
@@ -280,6 +283,61 @@ class Bucket:
 
     def adopt_grads(self) -> None:
         """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
+
+    def abandon(self) -> None:
+        """Ends a backward that raised ([Note: a backward that raised] in reducer.py): waits for the
+        collective it launched, if any, and sets every ``.grad`` to None."""
+        if self.work is not None:
+            self.wait()
+        for slot in self.slots:
+            slot.param.grad = None
+
+    # -- the rounds after the buckets (rounds.py, tied_rows.py) ------------------
+
+    def late_sum(self, late_grads: LateGrads) -> torch.Tensor:
+        """A tensor shaped like ``grads``: this rank's late gradients at their slots, zeros elsewhere."""
+        flat = torch.zeros_like(self.grads)
+        for slot, piece in zip(self.slots, self._pieces(flat), strict=True):
+            if slot.index in late_grads:
+                piece.copy_(late_grads[slot.index])
+        return flat
+
+    def add_to_grads(self, flat: torch.Tensor) -> None:
+        """Adds ``flat`` (shaped like ``grads``) to every ``.grad`` that is set. A late gradient anywhere
+        means the parameter was used there, so every rank holds a ``.grad`` for it; None means unused
+        everywhere, and nothing late can have arrived for it."""
+        for slot, piece in zip(self.slots, self._pieces(flat), strict=True):
+            grad = slot.param.grad
+            if grad is not None:
+                local(grad).add_(piece)
+
+    def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Accumulates ``grad`` into ``slot``'s ``.grad`` as autograd would, with gradient sync off
+        (a tied parameter's detached use under ``no_sync``: tied_rows.py)."""
+        param = slot.param
+        if param.grad is None:
+            param.grad = grad.detach()
+        else:
+            param.grad.add_(grad)
+        self.keep_local(slot)
+
+    def add_rows(self, slot: ParamSlot, picked: torch.Tensor, rows: torch.Tensor) -> None:
+        """``grad[picked] += rows`` for ``slot``'s ``.grad`` (zeros first where it has none), in place:
+        a view stays a view. The tied parameters' rows round (tied_rows.py)."""
+        param = slot.param
+        if param.grad is None:  # used only through the detached use, on every rank
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        num_rows = grad.shape[0] if grad.dim() else 1
+        if grad.is_contiguous():
+            grad.view(num_rows, -1).index_add_(0, picked, rows)
+        else:
+            grad.copy_(grad.reshape(num_rows, -1).index_add(0, picked, rows).view_as(grad))
+
+    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        # `flat` (shaped like grads) cut as the slots' views cut the buffer, each shaped alike.
+        pieces = flat.split([view.numel() for view in self.views])
+        return [piece.view_as(view) for piece, view in zip(pieces, self.views, strict=True)]
 
     def _scale_in_place(self) -> None:
         # At launch, the slots not scaled on the way in ([Note: the mean is taken on the way in] in

@@ -155,7 +155,6 @@ class Reducer:
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
         self.num_launched = 0  # buckets launched so far; always a prefix of the index order
         self.late: list[str] = []  # the parameters whose gradient arrived after their bucket was launched
-        self.grew = False  # some parameter fired more often than learned so far
         self.first_ready: list[int] = []  # slot indices in the order they first fired (the first step: layout/)
         self.first_ready_ns: list[int] = []  # and when (time.perf_counter_ns())
         # the end-of-backward callback queued for this step, held weakly: None once
@@ -307,10 +306,7 @@ class Reducer:
             self._launch_ready()
         elif bucket.launched:
             self.late.append(slot.name)  # the fresh .grad is reduced by the late round, if any
-        fired = slot.fired
-        if fired > slot.expected:
-            self.grew = True  # a count to learn at the end of the step
-        if fired == 1 and not self.layout_policy.learned:
+        if slot.fired == 1 and not self.layout_policy.learned:
             self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
             self.first_ready_ns.append(time.perf_counter_ns())
 
@@ -421,11 +417,9 @@ class Reducer:
         """
         if self.lifecycle.now is not TrainingState.BACKWARD or (self._end() is not None and in_backward()):
             return
-        for bucket in self.buckets[: self.num_launched]:
-            if bucket.work is not None:
-                bucket.wait()
-        for slot in self.slots:
-            slot.param.grad = None
+        for bucket in self.buckets:
+            bucket.abandon()
+        self.sparse.abandon()
         self._new_step()
         self.lifecycle.now = TrainingState.IDLE
         warn_backward_raised(self.num_steps)
@@ -453,21 +447,18 @@ class Reducer:
     def _new_step(self) -> None:
         # The one reset at a step's end: the reducer's part and each bucket's.
         self.num_launched = 0
-        self.late, self.grew = [], False
+        self.late = []
         self.first_ready, self.first_ready_ns = [], []
         for bucket in self.buckets:
             bucket.reset()
 
     def _learn(self, first_ready: Sequence[int] = (), ready_ns: Sequence[int] = (), end_ns: int = 0) -> None:
         # After a synchronised step (or its shadow, on a rank that joined), on
-        # every rank: the firing counts ([Note: when is a parameter ready], a
-        # running maximum), the step number, then the layout ([Note: tuning]):
+        # every rank: the step number (each bucket's reset learns the firing
+        # counts: [Note: when is a parameter ready]), then the layout ([Note: tuning]):
         # the first step learns launch order, cap and schedule from first_ready
         # (slot indices) and ready_ns (time.perf_counter_ns() of each, until
         # end_ns); every RETUNE_EVERY-th measures the link again; the buckets follow.
-        if self.grew:
-            for slot in self.slots:
-                slot.expected = max(slot.expected, slot.fired)  # never a sparse slot's: its hook counts nothing
         self.num_steps += 1
         policy = self.layout_policy
         like = self.buckets[-1].buffer if self.buckets else self.flags.tail

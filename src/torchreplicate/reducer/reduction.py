@@ -116,15 +116,6 @@ def all_reduce(
     return None
 
 
-def views_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` (shaped like a bucket's gradients) cut as the bucket's ``views`` cut its buffer, each shaped alike."""
-    pieces, offset = [], 0
-    for view in views:
-        pieces.append(flat[offset : offset + view.numel()].view_as(view))
-        offset += view.numel()
-    return pieces
-
-
 class Reduction:
     """The interface: how a bucket's gradients travel and become their average.
 
@@ -377,7 +368,8 @@ class HookReduction(Reduction):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            views = views_like(zeros, bucket.views)
+            pieces = zeros.split([view.numel() for view in bucket.views])
+            views = [piece.view_as(view) for piece, view in zip(pieces, bucket.views, strict=True)]
             future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()

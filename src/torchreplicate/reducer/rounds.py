@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 
 from torchreplicate.reducer.bucket import Bucket
-from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe
-from torchreplicate.reducer.reduction import all_reduce, views_like
+from torchreplicate.reducer.reduction import all_reduce
 
 
 class RoundInputs(NamedTuple):
@@ -79,20 +78,9 @@ class LateRound:
         with probe.span("late_round"):
             probe.late_round(True, end.step)
             for bucket in end.buckets:
-                extra = torch.zeros_like(bucket.grads)
-                pieces = views_like(extra, bucket.views)
-                for slot, piece in zip(bucket.slots, pieces, strict=True):
-                    if slot.index in end.late_grads:
-                        piece.copy_(end.late_grads[slot.index])
+                extra = bucket.late_sum(end.late_grads)
                 all_reduce(extra, end.group, probe.watch)
-                extra.div_(end.divide_factor)
-                for slot, piece in zip(bucket.slots, pieces, strict=True):
-                    # A late gradient anywhere means the parameter was used there, so
-                    # every rank now holds a .grad for it; None means unused
-                    # everywhere, and nothing late can have arrived for it.
-                    grad = slot.param.grad
-                    if grad is not None:
-                        local(grad).add_(piece)
+                bucket.add_to_grads(extra.div_(end.divide_factor))
             probe.late_round(False, end.step)
 
     def shadow(self, end: RoundInputs) -> None:

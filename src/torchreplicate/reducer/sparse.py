@@ -36,6 +36,11 @@ class SparseGrads:
         """Indices of the sparse parameters this rank has no gradient for."""
         return [slot.index for slot in self.slots if slot.param.grad is None]
 
+    def abandon(self) -> None:
+        """Ends a backward that raised ([Note: a backward that raised] in reducer.py): every ``.grad`` None."""
+        for slot in self.slots:
+            slot.param.grad = None
+
     def reduce(self, end: RoundInputs) -> None:
         """All-reduces every sparse gradient and writes back its average (or None): a round (rounds.py)."""
         end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.SPARSE))

@@ -88,12 +88,7 @@ class TiedRows:
             self.keep(index, grad)
             return
         slot = self.by_index[index]
-        param = slot.param
-        if param.grad is None:
-            param.grad = grad.detach()
-        else:
-            param.grad.add_(grad)
-        slot.bucket.keep_local(slot)  # where .grad lives is its bucket's
+        slot.bucket.accumulate(slot, grad)  # where .grad lives is its bucket's
 
     def mask_bytes(self) -> int:
         """Bytes of the rows mask each round all-reduces."""
@@ -125,9 +120,7 @@ class TiedRows:
                 mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
             # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
             all_reduce(mean, group, waiter)
-            if param.grad is None:  # used only through the detached use, on every rank
-                param.grad = torch.zeros_like(param)
-            _add_rows(param.grad, picked, mean)
+            slot.bucket.add_rows(slot, picked, mean)
         self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
@@ -163,13 +156,3 @@ def _num_rows(param: torch.Tensor) -> int:
 
 def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
     return (param[0].numel(),) if param.dim() else (1,)
-
-
-def _add_rows(grad: torch.Tensor, picked: torch.Tensor, rows: torch.Tensor) -> None:
-    # grad[picked] += rows, in place (a bucket view stays a view).
-    num_rows = grad.shape[0] if grad.dim() else 1
-    if grad.is_contiguous():
-        grad.view(num_rows, -1).index_add_(0, picked, rows)
-    else:
-        flat = grad.reshape(num_rows, -1).index_add(0, picked, rows)
-        grad.copy_(flat.view_as(grad))
