@@ -394,7 +394,7 @@ def _attach_state(
         module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
         disable_join(module)  # torch's join config, disabled until a Join
 
-    register_state(module, state, set_up)
+    register_state(module, state, state.clock, set_up)
     return module
 
 

@@ -99,11 +99,17 @@ def desync_error(
     return RuntimeError(format_desync(reports, mine.rank, backward, clocks_agree))
 
 
-def _some(names: Sequence[str], at_most: int = 4) -> str:
-    # Distinct parameter names, the first few quoted: "'a', 'b' and 3 more".
+def some_names(names: Sequence[str], at_most: int = 4, quote: bool = True) -> str:
+    """The first few distinct names, and how many more: "'a', 'b' and 3 more" (every message's list).
+
+    Args:
+        names: the names, in order; repeats are shown once.
+        at_most: how many to show. Default 4.
+        quote: show each as its ``repr`` (True, default) or as it is.
+    """
     distinct = list(dict.fromkeys(names))
     more = f" and {len(distinct) - at_most} more" if len(distinct) > at_most else ""
-    return ", ".join(map(repr, distinct[:at_most])) + more
+    return ", ".join(map(repr, distinct[:at_most]) if quote else distinct[:at_most]) + more
 
 
 def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequence[str]) -> RuntimeError:
@@ -115,7 +121,7 @@ def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequ
         late_ranks: how many ranks had one.
         late_params: the parameters that had one on this rank (none: another rank's).
     """
-    here = f"here: {_some(late_params)}" if late_params else "none here"
+    here = f"here: {some_names(late_params)}" if late_params else "none here"
     return RuntimeError(
         f"replicate(): rank {rank}: synchronised backward {step}: on {late_ranks} rank(s) a gradient arrived "
         f"after its bucket was reduced ({here}), more often than in the step the reducer learned from, so "
@@ -128,7 +134,7 @@ def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequ
 def warn_late_unreduced(step: int, late_params: Sequence[str]) -> None:
     """Warns, on the rank that had it, that a late gradient is missing from the average (``graph="learned"``)."""
     warnings.warn(
-        f"replicate(): synchronised backward {step}: the gradient of {_some(late_params)} "
+        f"replicate(): synchronised backward {step}: the gradient of {some_names(late_params)} "
         "arrived after its bucket was reduced, more often than in the step the reducer learned from; this "
         'step\'s average misses it, and every rank raises at the end of the next step (graph="dynamic" '
         "reduces such gradients)",

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.faults.watchdog import is_transport_error
+from torchreplicate.faults.watchdog import diagnosing
 from torchreplicate.reducer.reduction import Waiter, WeakGroup, wait_for
 from torchreplicate.torch_internals import preserved_versions
 
@@ -116,13 +116,8 @@ class BufferSync:
         assert self._group is not None and self._probe is not None, "installed with the refs"
         values = values_of(self.refs)
         watch = self._probe.watch
-        try:
-            with preserved_versions(values):
-                broadcast_coalesced(values, self._group.get(), src_rank=source, waiter=watch)
-        except RuntimeError as error:
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(error, before="the buffer broadcast") from error
+        with diagnosing(watch, before="the buffer broadcast"), preserved_versions(values):
+            broadcast_coalesced(values, self._group.get(), src_rank=source, waiter=watch)
 
 
 @torch.no_grad()
@@ -131,9 +126,8 @@ def broadcast_coalesced(
     group: dist.ProcessGroup,
     *,
     src_rank: int = 0,
-    in_place: bool = True,
     waiter: Optional[Waiter] = None,
-) -> list[torch.Tensor]:
+) -> None:
     """Broadcasts tensors from ``src_rank`` in one collective per device.
 
     Tensors of every dtype travel together as bytes, so a BatchNorm's float
@@ -143,36 +137,23 @@ def broadcast_coalesced(
         tensors: what to broadcast; the same shapes and dtypes on every rank.
         group: the process group.
         src_rank: group rank whose values everyone takes. Default 0.
-        in_place: copy the result into ``tensors`` (True, default) or return
-            fresh tensors and leave the inputs untouched (False), for tensors a
-            live autograd graph may have saved.
         waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
 
-    Returns:
-        The broadcast tensors: ``tensors`` themselves when ``in_place``, else
-        new tensors in the same order.
+    Every tensor takes the broadcast value in place.
     """
-    results: list[torch.Tensor] = list(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(index)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor.detach())
     src = dist.get_global_rank(group, src_rank)
-    for indices in by_device.values():
-        members = [tensors[i].detach() for i in indices]
+    for members in by_device.values():
         flat = _pack_bytes(members)
         wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
         offset = 0
-        for i, tensor in zip(indices, members, strict=True):
+        for tensor in members:
             nbytes = tensor.numel() * tensor.element_size()
             piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             offset += _padded(nbytes)
-            if in_place:
-                tensor.copy_(piece)
-            else:
-                # a tensor of its own, not a view of `flat`: torch.compile refuses
-                # graph inputs that share storage ("view input mutations")
-                results[i] = piece.clone()
-    return results
+            tensor.copy_(piece)
 
 
 _ALIGN = 16  # bytes: every piece starts aligned for any dtype's view

@@ -6,7 +6,6 @@ at the same point on every rank, so each rank launches the same collectives.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional, Sequence, cast
 
 import torch
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from torchreplicate.errors import format_option_mismatch, format_param_mismatch
 from torchreplicate.reducer.dtensors import describe_placement
+from torchreplicate.reducer.flags import digest
 from torchreplicate.reducer.reduction import Waiter, wait_for
 
 
@@ -30,9 +30,8 @@ def _dtype_text(param: torch.Tensor) -> str:
 def fingerprint(
     description: Sequence[tuple[str, tuple[int, ...], str]], options: Optional[dict[str, str]] = None
 ) -> int:
-    """A 63-bit digest of a parameter description (and options), equal iff they are."""
-    digest = hashlib.sha256(repr((list(description), sorted((options or {}).items()))).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    """A 64-bit digest of a parameter description (and options), equal iff they are (but for collisions)."""
+    return digest(repr((list(description), sorted((options or {}).items()))).encode())
 
 
 @torch.no_grad()

@@ -35,48 +35,20 @@ shadowed: use ``throw_on_early_termination=True`` there, as with DDP.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from torchreplicate.core.buffers import BufferSync, broadcast_coalesced
-from torchreplicate.core.plan import Plan
-from torchreplicate.lifecycle import Lifecycle, SyncSwitch, TrainingState
+from torchreplicate.core.buffers import broadcast_coalesced
+from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.probe import Probe
-from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.torch_internals import disable_join
 
-
-class Joinable(Protocol):
-    """What a Join reads and writes of a replicated module's state (state.py's ``Joinable``)."""
-
-    plan: Plan
-    reducer: Optional[Reducer]
-    lifecycle: Lifecycle
-    sync: SyncSwitch
-    buffer_sync: BufferSync
-    clock: TrainingClock
-    probe: Probe
-    join_hook: Optional[ReplicateJoinHook]
-    join_refusal: Optional[str]
-
-    @property
-    def module(self) -> nn.Module:
-        """The replicated root."""
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The process group gradients are averaged over."""
-
-    @property
-    def device(self) -> torch.device:
-        """Where the module's own small collectives run."""
+if TYPE_CHECKING:
+    from torchreplicate.core.state import ReplicateState
 
 
 class JoinRound(NamedTuple):
@@ -95,7 +67,7 @@ class JoinRound(NamedTuple):
     buffers: bool
 
 
-def join_round(state: Joinable, training: bool) -> JoinRound:
+def join_round(state: ReplicateState, training: bool) -> JoinRound:
     """Runs one join round: a still-training rank sends its one-hot and sync flag; a joined rank zeros."""
     group = state.group
     world_size = dist.get_world_size(group)
@@ -110,7 +82,7 @@ def join_round(state: Joinable, training: bool) -> JoinRound:
     return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)
 
 
-def start_join(state: Joinable, options: dict[str, Any]) -> ReplicateJoinHook:
+def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinHook:
     """torch's ``join_hook(**options)`` for a replicated module: the hook, and the divisor it asks for."""
     if state.join_refusal is not None:
         raise RuntimeError(state.join_refusal)
@@ -119,17 +91,6 @@ def start_join(state: Joinable, options: dict[str, Any]) -> ReplicateJoinHook:
         raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")
     hook = state.join_hook = ReplicateJoinHook(state, options.get("divide_by_initial_world_size", True))
     return hook
-
-
-def training_join_round(state: Joinable) -> JoinRound:
-    """What a rank still training runs before its forward inside a Join: steps 1 and 2 of [Note: join]."""
-    joinable: Any = state.module
-    Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
-    verdict = join_round(state, training=True)
-    hook = state.join_hook
-    if state.reducer is not None and hook is not None and not hook.divide_by_initial_world_size:
-        state.reducer.set_divide_factor(float(verdict.num_training))
-    return verdict
 
 
 class ReplicateJoinHook(JoinHook):
@@ -141,9 +102,19 @@ class ReplicateJoinHook(JoinHook):
             size (True, DDP's default) or by the ranks still training.
     """
 
-    def __init__(self, state: Joinable, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, state: ReplicateState, divide_by_initial_world_size: bool) -> None:
         self.state = state
         self.divide_by_initial_world_size = divide_by_initial_world_size
+
+    def training_round(self) -> JoinRound:
+        """What a rank still training runs before its forward inside a Join: steps 1 and 2 of [Note: join]."""
+        state = self.state
+        joinable: Any = state.module
+        Join.notify_join_context(joinable)  # torch's own "not joined yet" all-reduce (first joinable)
+        verdict = join_round(state, training=True)
+        if state.reducer is not None and not self.divide_by_initial_world_size:
+            state.reducer.set_divide_factor(float(verdict.num_training))
+        return verdict
 
     def main_hook(self) -> None:
         """Shadows one iteration of the ranks still training."""
@@ -180,7 +151,7 @@ class ReplicateJoinHook(JoinHook):
         end_join(state)
 
 
-def end_join(state: Joinable) -> None:
+def end_join(state: ReplicateState) -> None:
     """Every rank joined: back to no join rounds and the usual divisor."""
     state.join_hook = None
     disable_join(state.module)

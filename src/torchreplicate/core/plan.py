@@ -40,6 +40,7 @@ from torch import nn
 
 from torchreplicate.core.buffers import BufferRef, values_of
 from torchreplicate.core.registry import find_state
+from torchreplicate.errors import some_names
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.torch_internals import in_backward_optimizers
 
@@ -249,8 +250,7 @@ def describe_change(old: Plan, new: Plan, most: int = 3) -> str:
     changes += [f"{name!r} removed" for name in old.candidate_names if name not in names]
     if not changes:
         return "buffers changed"
-    more = f" and {len(changes) - most} more" if len(changes) > most else ""
-    return ", ".join(changes[:most]) + more
+    return some_names(changes, most, quote=False)
 
 
 def new_tensors(old: Plan, new: Plan, buffers: bool = True) -> list[torch.Tensor]:

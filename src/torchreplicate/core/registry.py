@@ -27,7 +27,7 @@ its training clock ([Note: desync detection] in flags.py).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -35,18 +35,6 @@ from torch.nn.modules import module as torch_module
 
 from torchreplicate.reducer.flags import OptimizerSteps, TrainingClock
 from torchreplicate.torch_internals import composable_api, composable_state, without_composable_api
-
-
-class Registered(Protocol):
-    """What the registry reads of the state it keeps: its training clock.
-
-    The state is state.py's ``ReplicateState``, which imports this file; the
-    registry only stores and returns it (as ``Any``: a caller knows its type),
-    so this file needs nothing else of it.
-    """
-
-    clock: TrainingClock
-
 
 # Every module replicate() was applied to and that is alive: which hold another (enclosing_state),
 # and whether torch's global hooks are still needed. Weak: a discarded model leaves.
@@ -97,12 +85,12 @@ class _Slot:
         self.view: Optional[weakref.ref[object]] = None
 
 
-def _apply(module: nn.Module, state: Registered, set_up: Callable[[], None]) -> nn.Module:
+def _apply(module: nn.Module, state: object, clock: TrainingClock, set_up: Callable[[], None]) -> nn.Module:
     # What the contract runs once it has registered `module`: the set-up, with the state findable.
     slot: _Slot = composable_state(module, _apply)
     slot.state = state
     _REPLICATED.add(module)
-    _OPTIMIZER_STEPS.clocks.add(state.clock)
+    _OPTIMIZER_STEPS.clocks.add(clock)
     set_up()
     return module
 
@@ -112,12 +100,13 @@ _apply.__name__ = "replicate"
 _registered_apply = composable_api(_Slot, _apply)
 
 
-def register_state(module: nn.Module, state: Registered, set_up: Callable[[], None]) -> None:
+def register_state(module: nn.Module, state: object, clock: TrainingClock, set_up: Callable[[], None]) -> None:
     """Registers ``module`` with ``state`` in torch's registry and runs ``set_up``; all undone if it raises.
 
     Args:
         module: the module ``replicate()`` is applied to.
-        state: its state, found by ``find_state`` while ``set_up`` runs.
+        state: its state (core/state.py's ``ReplicateState``), found by ``find_state`` while ``set_up`` runs.
+        clock: the state's training clock, counted by the optimizer hook ([Note: desync detection] in flags.py).
         set_up: the rest of ``replicate()``; must leave every name in the module tree as it was.
 
     Raises:
@@ -127,12 +116,12 @@ def register_state(module: nn.Module, state: Registered, set_up: Callable[[], No
     registrations.install()
     _OPTIMIZER_STEPS.install()
     try:
-        _registered_apply(module, state, set_up)
+        _registered_apply(module, state, clock, set_up)
     except BaseException:
         if find_state(module) is state:  # not a refusal of a second replicate(): that one stays
             module.__dict__.update(without_composable_api(module.__dict__, _apply))
             _REPLICATED.discard(module)
-            _OPTIMIZER_STEPS.clocks.discard(state.clock)
+            _OPTIMIZER_STEPS.clocks.discard(clock)
         _release_hooks_if_unused()
         raise
     weakref.finalize(module, _release_hooks_if_unused).atexit = False

@@ -36,7 +36,6 @@ from torch.utils.hooks import RemovableHandle
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import lazy, nested, setup
 from torchreplicate.core.buffers import BufferSync
-from torchreplicate.core.join import ReplicateJoinHook, training_join_round
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
@@ -44,7 +43,7 @@ from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.errors import compiled_hook_error, ddp_on_top_error
 from torchreplicate.faults.place import Collective, Place
-from torchreplicate.faults.watchdog import is_transport_error
+from torchreplicate.faults.watchdog import diagnosing
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
@@ -118,7 +117,7 @@ class ReplicateState:
         self._outer: Optional[weakref.ref[ReplicateState]] = None  # the enclosing module's state, once NESTED
         # the hook torch's Join took from model.join_hook() (it holds the
         # divisor rule), until every rank joined; None outside a Join ([Note: join])
-        self.join_hook: Optional[ReplicateJoinHook] = None
+        self.join_hook: Any = None  # a ReplicateJoinHook (core/join.py, which imports this file)
         self.join_refusal: Optional[str] = None  # why torch's Join is refused for this module (replicate_ft)
         # - Hooks. The module's hook dicts hold this state's bound methods; the
         #   state holds the module weakly and only the handles, so no
@@ -326,13 +325,8 @@ class ReplicateState:
         change = describe_change(self.plan, plan)
         step = 0 if self.reducer is None else self.reducer.num_steps
         self.probe.at(Place(TrainingState.FORWARD, step, collective=Collective.REPLAN), change)
-        watch = self.probe.watch
-        try:
+        with diagnosing(self.probe.watch):
             self.install(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
-        except RuntimeError as error:
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(error) from error
         self.probe.replanned(step)  # back at the forward's place
 
     def _lazy_materialised(self, module: nn.Module) -> None:
@@ -435,7 +429,7 @@ class ReplicateState:
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
         buffer_source = 0
         if self.joining:  # inside a Join context ([Note: join] in join.py)
-            buffer_source = training_join_round(self).source
+            buffer_source = self.join_hook.training_round().source
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
             self.reducer.finalize_raised_backward()  # outside a backward: the last one raised before its end ran

@@ -66,6 +66,7 @@ what one TCPStore served on a loaded 2-core machine, benchmarks/bench_watchdog.p
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -74,6 +75,7 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -336,3 +338,21 @@ def is_transport_error(error: BaseException) -> bool:
     """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
     text = str(error)
     return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
+
+
+@contextlib.contextmanager
+def diagnosing(watch: Optional[StallWatch], before: str = "") -> Iterator[None]:
+    """Turns a transport error of a collective inside into ``watch``'s diagnosis (``StallWatch.diagnose``).
+
+    Any other error, or any error without a watchdog, passes unchanged.
+
+    Args:
+        watch: the stall watchdog, or None (off).
+        before: as ``diagnose``'s: a collective run before the place, named first. Default "".
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        if watch is None or not is_transport_error(error):
+            raise
+        raise watch.diagnose(error, before) from error

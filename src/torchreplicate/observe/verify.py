@@ -14,8 +14,6 @@ broadcasts). The other ranks are the ones named.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 from typing import Any, NamedTuple, Optional, Sequence, cast
 
 import torch
@@ -24,6 +22,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.reducer.dtensors import local
+from torchreplicate.reducer.flags import digest
 
 _NO_TENSOR = -(2**63)  # the digest of a missing tensor (a gradient that is None)
 
@@ -187,7 +186,7 @@ def verify_replicas(
         return ReplicaReport(len(entries), num_bytes, 1, ())
     device = state.device
     description = repr([(e.kind, e.name, e.shape, str(e.dtype)) for e in entries])
-    digests = [_digest_bytes(description.encode())] + [tensor_digest(e.tensor) for e in entries]
+    digests = [digest(description.encode())] + [tensor_digest(e.tensor) for e in entries]
     mine = torch.tensor(digests, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
@@ -210,19 +209,7 @@ def tensor_digest(tensor: Optional[torch.Tensor]) -> int:
         tensor: any tensor (a sparse one is made dense, a DTensor its local
             shard, a GPU tensor copied to the host), or None.
     """
-    if tensor is None:
-        return _NO_TENSOR
-    flat = _host_bytes(tensor)
-    num_bytes = flat.numel()
-    if num_bytes == 0:
-        return _digest_bytes(b"")
-    # the tensor's own memory, no copy: `flat` is alive and contiguous while hashed
-    view = (ctypes.c_char * num_bytes).from_address(flat.data_ptr())
-    return _digest_bytes(memoryview(view))
-
-
-def _digest_bytes(data: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    return _NO_TENSOR if tensor is None else digest(_host_bytes(tensor).numpy())  # its memory, no copy
 
 
 def _host_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,12 @@ the late round reduces.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from torchreplicate.errors import changed_since_plan, foreign_hook_error
+from torchreplicate.errors import changed_since_plan, foreign_hook_error, some_names
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.torch_internals import (
     in_backward_optimizers,
@@ -167,9 +166,7 @@ class Bucket:
             offset += shard.numel()
         self.params = [slot.param for slot in self.slots]  # what a comm hook's bucket lists
         self.views = [slot.view for slot in self.slots]  # each parameter's gradient in the buffer
-        names = [repr(slot.name) for slot in self.slots]
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        self.description = ", ".join(names[:3]) + more  # its first parameters, for messages
+        self.description = some_names([slot.name for slot in self.slots], 3)  # its first parameters, for messages
         # - Bound to a reduction (bind): how the bucket travels, and the scale
         #   its gradients take on the way in (None: as they are)
         self.reduction: Optional[Communication] = None
@@ -388,18 +385,6 @@ class Bucket:
         else:
             torch.mul(grad, self.scale, out=slot.view)
         slot.absorbed = True
-
-
-def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
-    """A digest of a bucket layout (names, shapes, dtypes in order): equal on ranks whose layouts match.
-
-    Args:
-        buckets: the buckets, in launch order.
-        unbucketed: the slots reduced outside the buckets (sparse gradients).
-    """
-    layout = [[(s.name, tuple(s.param.shape), str(s.dtype)) for s in b.slots] for b in buckets]
-    layout.append([(s.name, tuple(s.param.shape), str(s.dtype)) for s in unbucketed])
-    return int.from_bytes(hashlib.sha256(repr(layout).encode()).digest()[:8], "little")
 
 
 def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: dict[int, int]) -> list[ParamSlot]:

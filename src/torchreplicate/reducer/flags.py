@@ -64,9 +64,10 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
-from typing import Any, Callable, NamedTuple, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,28 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchreplicate.errors import desync_error, late_after_learning
 from torchreplicate.reducer.reduction import Waiter, wait_for
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.bucket import Bucket, ParamSlot
+
+
+def digest(data: Any) -> int:
+    """A 64-bit digest (signed, as an int64 holds it) of bytes or any buffer (a NumPy array): equal iff the
+    data are, but for collisions. The one digest ranks compare: layouts, set-up descriptions, tensors."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
+    """A digest of a bucket layout (names, shapes, dtypes in order): equal on ranks whose layouts match.
+
+    Args:
+        buckets: the buckets, in launch order.
+        unbucketed: the slots reduced outside the buckets (sparse gradients).
+    """
+    layout = [[(s.name, tuple(s.param.shape), str(s.dtype)) for s in b.slots] for b in buckets]
+    layout.append([(s.name, tuple(s.param.shape), str(s.dtype)) for s in unbucketed])
+    return digest(repr(layout).encode())
+
 
 MODULI = (2, 3, 5, 7, 11)  # coprime: residues tell apart values closer than 2310
 _RESIDUE_WIDTH = sum(MODULI)

@@ -217,12 +217,6 @@ class BucketInfo:
     numel: int
     nbytes: int
 
-    def describe(self, max_names: int = 3) -> str:
-        """The first parameter names, and how many more."""
-        shown = ", ".join(self.names[:max_names])
-        more = len(self.names) - max_names
-        return shown + (f" and {more} more" if more > 0 else "")
-
 
 class ReducerInfo(NamedTuple):
     """What observers read of a reducer (``Reducer.info``): plain values, the layout as it is now.

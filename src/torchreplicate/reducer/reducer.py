@@ -69,16 +69,15 @@ from torchreplicate.errors import (
     warn_late_unreduced,
 )
 from torchreplicate.faults.place import Collective, Place
-from torchreplicate.faults.watchdog import is_transport_error
+from torchreplicate.faults.watchdog import diagnosing
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import (
     Bucket,
     ParamSlot,
     adopt_in_backward_optimizers,
-    layout_digest,
     step_in_backward_optimizers,
 )
-from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock
+from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
@@ -354,24 +353,20 @@ class Reducer:
         self.lifecycle.now = TrainingState.FINALIZING
         end_ns = time.perf_counter_ns()
         try:
-            sums = self._reduce_rest()
-            late_grads: dict[int, torch.Tensor] = {}
-            for bucket in self.buckets:
-                late_grads.update(bucket.restore(sums.unused_everywhere, sums.any_late))
-            rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
-            if rounds:
-                inputs = self._round_inputs(sums, late_grads)
-                for round_ in rounds:
-                    round_.reduce(inputs)
-            self._learn(self.first_ready, self.first_ready_ns, end_ns)
-            self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
-            if self.in_backward_optimizer_slots:
-                step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
-        except RuntimeError as error:
-            watch = self.probe.watch
-            if watch is None or not is_transport_error(error):
-                raise
-            raise watch.diagnose(error) from error
+            with diagnosing(self.probe.watch):
+                sums = self._reduce_rest()
+                late_grads: dict[int, torch.Tensor] = {}
+                for bucket in self.buckets:
+                    late_grads.update(bucket.restore(sums.unused_everywhere, sums.any_late))
+                rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
+                if rounds:
+                    inputs = self._round_inputs(sums, late_grads)
+                    for round_ in rounds:
+                        round_.reduce(inputs)
+                self._learn(self.first_ready, self.first_ready_ns, end_ns)
+                self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
+                if self.in_backward_optimizer_slots:
+                    step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         finally:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
