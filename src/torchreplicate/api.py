@@ -335,7 +335,9 @@ def replicate(
     refuse_positional(positional)
     _refuse_unsupported(module)
     own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0})
+    options = translate(
+        module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0}, OWN_OPTIONS
+    )
     broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
     process_group = _process_group(process_group, mesh, device_mesh)
     config = ReplicateConfig(
@@ -362,6 +364,7 @@ def replicate(
 
 
 replicate.state = get_state  # type: ignore[attr-defined]
+OWN_OPTIONS = tuple(name for name, p in inspect.signature(replicate).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
 def _process_group(

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ DDP_POSITIONAL_ORDER = (
     "forward_sync_buffers",
 )
 
-_CALLER = 5  # warnings point at replicate()'s caller: warn_no_effect, a handler, translate, replicate, caller
+_CALLER = 4  # warnings point at replicate()'s caller: warn_no_effect, translate, replicate, caller
 
 
 def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
@@ -102,7 +103,9 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else f"<{type(value).__name__}>"
 
 
-def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def translate(
+    module: nn.Module, arguments: Mapping[str, Any], options: dict[str, Any], own_names: Sequence[str]
+) -> dict[str, Any]:
     """Applies DDP's keyword arguments to replicate()'s own options, with DDP's meaning.
 
     Args:
@@ -112,6 +115,7 @@ def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str
             ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``;
             ``init_sync_buffers`` (None: as ``broadcast_buffers``) and
             ``dim``, DDP's, are set here.
+        own_names: replicate()'s own keyword names (its signature), for "did you mean".
 
     Returns:
         ``options``, updated.
@@ -121,15 +125,21 @@ def translate(module: nn.Module, arguments: Mapping[str, Any], options: dict[str
         ValueError: a DDP argument replicate() cannot honour: why, and what
             to write instead (DDP's own message first where DDP refuses too).
     """
-    unknown = sorted(set(arguments) - set(_HANDLERS))
+    unknown = sorted(set(arguments) - set(DDP_POSITIONAL_ORDER))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(_OWN_NAMES) + list(_HANDLERS), n=1)
+        close = difflib.get_close_matches(unknown[0], [*own_names, *DDP_POSITIONAL_ORDER], n=1)
         hint = f"; did you mean {close[0]}=?" if close else ""
         raise TypeError(f"replicate() got an unexpected keyword argument {unknown[0]!r}{hint}")
     _check_delay_pair(arguments)
     for name in DDP_POSITIONAL_ORDER:
-        if name in arguments:
-            _HANDLERS[name](arguments[name], options, module)
+        if name not in arguments:
+            continue
+        value = arguments[name]
+        if name in NO_EFFECT and value not in (None, False, 0):
+            shown = "[...]" if name == "delay_all_reduce_named_params" else value
+            warn_no_effect(name, shown, NO_EFFECT[name], stacklevel=_CALLER)
+        if name in _HANDLERS:
+            _HANDLERS[name](value, options, module)
     return options
 
 
@@ -181,13 +191,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    options["dim"] = value  # what model.dim answers (compat/ddp_surface.py)
-    if value != 0:
-        why = (
-            "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "
-            "supports; each rank's forward gets its own inputs unchanged, in DDP as here"
-        )
-        warn_no_effect("dim", value, why, stacklevel=_CALLER)
+    options["dim"] = value  # what model.dim answers (compat/ddp_surface.py); warned about in translate
 
 
 def _init_sync(value: Any, options: dict[str, Any], module: nn.Module) -> None:
@@ -198,11 +202,6 @@ def _init_sync(value: Any, options: dict[str, Any], module: nn.Module) -> None:
     options["init_sync"] = value
 
 
-def _check_reduction(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    if value:
-        warn_no_effect("check_reduction", value, "DDP deprecated it and ignores it", stacklevel=_CALLER)
-
-
 def _check_delay_pair(arguments: Mapping[str, Any]) -> None:
     delay = arguments.get("delay_all_reduce_named_params") is not None
     hook = arguments.get("param_to_hook_all_reduce") is not None
@@ -211,19 +210,6 @@ def _check_delay_pair(arguments: Mapping[str, Any]) -> None:
             f"{DDP_DELAY_PAIR_TEXT} replicate(): both are accepted and change nothing (every parameter is "
             "averaged in bucket order), so the simplest fix is to drop both"
         )
-
-
-def _delay_all_reduce(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    if value is not None:
-        why = (
-            "DDP only postpones these parameters' averaging to one all-reduce when another gradient is "
-            "ready; here they are averaged with the rest, in bucket order, to the same result"
-        )
-        warn_no_effect("delay_all_reduce_named_params", "[...]", why, stacklevel=_CALLER)
-
-
-def _param_to_hook(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    pass  # warned about with delay_all_reduce_named_params, its pair (checked in _check_delay_pair)
 
 
 def _mixed_precision(value: Any, options: dict[str, Any], module: nn.Module) -> None:
@@ -241,12 +227,6 @@ def _mixed_precision(value: Any, options: dict[str, Any], module: nn.Module) -> 
     )
 
 
-def _skip_unused(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    if value:
-        why = "DDP skips reducing parameters unused on every rank; the averages are the same here"
-        warn_no_effect("skip_all_reduce_unused_params", value, why, stacklevel=_CALLER)
-
-
 def _bucket_cap_mb_list(value: Any, options: dict[str, Any], module: nn.Module) -> None:
     # DDP: one cap per bucket, in DDP's bucket order. One cap for all maps exactly.
     if not value:
@@ -259,12 +239,6 @@ def _bucket_cap_mb_list(value: Any, options: dict[str, Any], module: nn.Module) 
         "bucket_cap_mb= for every bucket and first_bucket_cap_mb= for the first, or leave both to "
         'the tuner (bucket_layout="tuned" measures the link)'
     )
-
-
-def _batched_grad_copy(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    if value:
-        why = "gradients are views into their buckets (gradient_as_bucket_view), or copied one bucket at a time"
-        warn_no_effect("batched_grad_copy", value, why, stacklevel=_CALLER)
 
 
 def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module) -> None:
@@ -281,15 +255,32 @@ def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module
             "replicate(): both broadcast_buffers and forward_sync_buffers were given; forward_sync_buffers "
             "wins (as in DDP)",
             FutureWarning,
-            stacklevel=_CALLER - 1,
+            stacklevel=_CALLER,
         )
     options["broadcast_buffers"] = value
 
 
-_OWN_NAMES = (  # replicate()'s own, for "did you mean"
-    *("broadcast_buffers", "process_group", "bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view"),
-    *("static_graph", "device_mesh", "mesh", "device_id", "ignored_modules", "first_bucket_cap_mb", "mp_policy"),
-    *("reduce_dtype", "gradient_divide_factor", "stall_timeout", "bucket_layout", "graph", "tied_split"),
+# DDP's arguments accepted for DDP call sites that change nothing here, and why: a warning where one is set
+# (not None, False or 0). param_to_hook_all_reduce is warned about with delay_all_reduce_named_params, its
+# pair (_check_delay_pair).
+NO_EFFECT: Mapping[str, str] = MappingProxyType(
+    {
+        "dim": (
+            "DDP scatters inputs along dim only in the single-process multi-device mode it no longer "
+            "supports; each rank's forward gets its own inputs unchanged, in DDP as here"
+        ),
+        "check_reduction": "DDP deprecated it and ignores it",
+        "delay_all_reduce_named_params": (
+            "DDP only postpones these parameters' averaging to one all-reduce when another gradient is "
+            "ready; here they are averaged with the rest, in bucket order, to the same result"
+        ),
+        "skip_all_reduce_unused_params": (
+            "DDP skips reducing parameters unused on every rank; the averages are the same here"
+        ),
+        "batched_grad_copy": (
+            "gradients are views into their buckets (gradient_as_bucket_view), or copied one bucket at a time"
+        ),
+    }
 )
 
 _HANDLERS: dict[str, Callable[[Any, dict[str, Any], nn.Module], None]] = {
@@ -297,13 +288,8 @@ _HANDLERS: dict[str, Callable[[Any, dict[str, Any], nn.Module], None]] = {
     "output_device": _output_device,
     "dim": _dim,
     "init_sync": _init_sync,
-    "check_reduction": _check_reduction,
-    "delay_all_reduce_named_params": _delay_all_reduce,
-    "param_to_hook_all_reduce": _param_to_hook,
     "mixed_precision": _mixed_precision,
-    "skip_all_reduce_unused_params": _skip_unused,
     "bucket_cap_mb_list": _bucket_cap_mb_list,
-    "batched_grad_copy": _batched_grad_copy,
     "forward_sync_buffers": _forward_sync_buffers,
 }
 

@@ -485,14 +485,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty((), dtype=dtype).type()).rsplit(".", 1)[-1].removesuffix("Tensor").lower()
 
 
-# Names whose definition in the model's own class wins over DDPSurface's ([Note: the model's own names win]).
-OWN_NAMES_WIN = (
-    *("module", "process_group", "device_ids", "output_device", "dim", "broadcast_buffers"),
-    *("forward_sync_buffers", "find_unused_parameters", "static_graph", "require_forward_param_sync"),
-    *("gradient_as_bucket_view", "bucket_bytes_cap", "device_type", "parameters_to_ignore"),
-    *("will_sync_module_buffers", "scatter", "gather", "_set_static_graph", "_register_fused_optim"),
-    "_get_ddp_logging_data",
-    # DDP's configuration and internals (DDPInternals)
-    *("device", "mixed_precision", "modules_buffers", "named_module_buffers", "is_multi_device_module"),
-    *("bucket_bytes_cap_default", "_register_builtin_comm_hook"),
+# Names whose definition in the model's own class wins over DDPSurface's ([Note: the model's own names win]):
+# every DDP name defined here, but for the switches and the Join protocol the replicated class must answer.
+_CLASS_ANSWERS = (
+    *("require_backward_grad_sync", "_ddp_params_and_buffers_to_ignore"),
+    *("join_hook", "join_device", "join_process_group"),
+)
+OWN_NAMES_WIN = tuple(
+    name
+    for cls in (DDPSurface, DDPInternals)
+    for name in vars(cls)
+    if not name.startswith("__") and name not in _CLASS_ANSWERS
 )

@@ -40,7 +40,7 @@ the late round reduces.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from torchreplicate.torch_internals import (
     num_post_accumulate_grad_hooks,
     remove_in_backward_optimizer_hooks,
 )
+
+if TYPE_CHECKING:
+    from torchreplicate.reducer.reduction import Reduction
 
 
 class ParamSlot:
@@ -123,18 +126,6 @@ class ParamSlot:
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
 
 
-class Communication(Protocol):
-    """What a bucket asks of its reduction (reduction.py's ``Reduction``, bound to the bucket layout)."""
-
-    divide_factor: float  # the divisor of the sum (``set_divide_factor`` changes it)
-
-    def launch(self, index: int) -> Any:
-        """Starts reducing bucket ``index``'s gradients; returns the handle ``wait`` takes."""
-
-    def wait(self, index: int, handle: Any) -> None:
-        """Waits for bucket ``index``; its gradients then hold the reduced average."""
-
-
 class Bucket:
     """One flat gradient buffer, the slots laid out in it, and its part of each synchronised backward.
 
@@ -169,7 +160,7 @@ class Bucket:
         self.description = some_names([slot.name for slot in self.slots], 3)  # its first parameters, for messages
         # - Bound to a reduction (bind): how the bucket travels, and the scale
         #   its gradients take on the way in (None: as they are)
-        self.reduction: Optional[Communication] = None
+        self.reduction: Reduction  # set by bind, before any step
         self.scale: Optional[torch.Tensor] = None
         # - Per synchronised backward (reset). pending: slots still to reach their
         #   learned count before a hook may launch the bucket ([Note: when is a
@@ -185,7 +176,7 @@ class Bucket:
         """Number of gradient elements."""
         return self.grads.numel()
 
-    def bind(self, reduction: Communication, scale: Optional[torch.Tensor]) -> None:
+    def bind(self, reduction: Reduction, scale: Optional[torch.Tensor]) -> None:
         """Binds the bucket to ``reduction`` (bound to this layout), with the scale it wants on the way in
         (None: as they are; a tensor the reduction changes in place with its divisor)."""
         self.reduction = reduction
@@ -249,13 +240,11 @@ class Bucket:
         if self.scale is not None:
             self._scale_in_place()
         self.launched, self.from_hook = True, from_hook
-        assert self.reduction is not None, "bound by the reducer"
         self.work = self.reduction.launch(self.index)
 
     def wait(self) -> None:
         """Waits for the bucket's collective; its ``grads`` then hold the average."""
         work, self.work = self.work, None
-        assert self.reduction is not None, "bound by the reducer"
         self.reduction.wait(self.index, work)
 
     def restore(self, unused_everywhere: frozenset[int], any_late: bool) -> LateGrads:
@@ -345,7 +334,7 @@ class Bucket:
         if not divide and not any(slot.absorbed for slot in self.slots):
             self.grads.mul_(scale)  # one pass over the bucket: the usual case
             return
-        factor = self.reduction.divide_factor  # type: ignore[union-attr]  # bound before any launch
+        factor = self.reduction.divide_factor
         for slot in self.slots:
             if slot.absorbed:
                 continue
@@ -454,7 +443,7 @@ class ViewBucket(Bucket):
             slot.view.add_(grad)  # type: ignore[arg-type]
         else:
             # the divisor as a Python float, as before the bucket owned the step: bitwise in bf16/fp16 too
-            slot.view.add_(grad, alpha=1.0 / self.reduction.divide_factor)  # type: ignore[arg-type,union-attr]
+            slot.view.add_(grad, alpha=1.0 / self.reduction.divide_factor)  # type: ignore[arg-type]
         param.grad = None
 
     def _detach(self) -> None:
