@@ -150,9 +150,7 @@ class ReplicateState:
     @property
     def group(self) -> dist.ProcessGroup:
         """The process group gradients are averaged over."""
-        if self._group is None:
-            raise RuntimeError("replicate.state(): the module was not initialised")
-        return self._group.get()
+        return self.weak_group.get()
 
     @property
     def weak_group(self) -> WeakGroup:

@@ -188,22 +188,13 @@ def num_flags(num_params: int) -> int:
 
 def one_hot_residues(value: int) -> list[float]:
     """``value`` as one-hot residue blocks, one per modulus in ``MODULI``."""
-    out: list[float] = []
-    for modulus in MODULI:
-        block = [0.0] * modulus
-        block[value % modulus] = 1.0
-        out += block
-    return out
+    return [float(i == value % modulus) for modulus in MODULI for i in range(modulus)]
 
 
 def residues_agree(sums: Sequence[float]) -> bool:
     """Whether summed one-hot residue blocks came from equal values on every rank."""
-    offset = 0
-    for modulus in MODULI:
-        if sum(1 for x in sums[offset : offset + modulus] if x != 0) != 1:
-            return False
-        offset += modulus
-    return True
+    starts = [sum(MODULI[:i]) for i in range(len(MODULI))]
+    return all(sum(x != 0 for x in sums[s : s + m]) == 1 for s, m in zip(starts, MODULI, strict=True))
 
 
 _STAGED_WIDTH = 1 + 2 * _RESIDUE_WIDTH  # what a step late reads: the late flag, then both residue blocks
@@ -353,8 +344,7 @@ class StepFlags:
 
     def send(self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup) -> dist.Work:
         """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work."""
-        tail = self.tail
-        tail.copy_(self.ordinary)
+        tail = self.tail.copy_(self.ordinary)
         at = self.num_params + 1
         tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
         if unused_here:

@@ -46,7 +46,7 @@ from torch.autograd.profiler import record_function
 from torchreplicate.faults.place import Collective, Place
 from torchreplicate.faults.watchdog import StallWatch
 from torchreplicate.lifecycle import TrainingState
-from torchreplicate.torch_internals import profiler_active
+from torchreplicate.torch_internals import PROFILER
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket
@@ -71,7 +71,7 @@ def labelled(phase: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not profiler_active():
+            if PROFILER._is_profiler_enabled is not True:  # torch_internals.profiler_active, inlined: per call
                 return fn(*args, **kwargs)
             with record_function(name):
                 return fn(*args, **kwargs)
@@ -149,7 +149,7 @@ class Probe:
 
     def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
         """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
-        return record_function(label(phase, bucket)) if profiler_active() else _NO_SPAN
+        return record_function(label(phase, bucket)) if PROFILER._is_profiler_enabled is True else _NO_SPAN
 
     def backward(self, step: int) -> None:
         """The synchronised backward of ``step`` started."""
