@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree  # tree_leaves, tree_map (torch >= 2.0): tensors_in, moved_to
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
@@ -64,8 +65,7 @@ def num_post_accumulate_grad_hooks(param: nn.Parameter) -> int:
     2.2), None before the first. The reducer's gradient hook reads the same
     attribute inline (on the hot path, a function call would double its cost).
     """
-    hooks = param._post_accumulate_grad_hooks
-    return 0 if hooks is None else len(hooks)
+    return len(param._post_accumulate_grad_hooks or ())
 
 
 def in_backward_optimizers(param: nn.Parameter) -> tuple[torch.optim.Optimizer, ...]:
@@ -124,6 +124,10 @@ def release_destroyed_groups() -> int:
     from torch.distributed import distributed_c10d
 
     live = distributed_c10d._world.pg_map
+
+    def ended(value: object) -> bool:
+        return isinstance(value, dist.ProcessGroup) and value not in live
+
     changed = 0
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
@@ -133,39 +137,20 @@ def release_destroyed_groups() -> int:
             # type(), not isinstance(): some module values warn when their __class__ is read
             is_class = issubclass(type(value), type) and vars(value).get("__module__") == name
             for function in list(vars(value).values()) if is_class else [value]:
-                if type(function) is types.FunctionType and _release_defaults(function, live):
-                    changed += 1
+                if type(function) is not types.FunctionType:
+                    continue
+                defaults, keywords = function.__defaults__ or (), function.__kwdefaults__ or {}
+                if not any(map(ended, (*defaults, *keywords.values()))):
+                    continue
+                changed += 1
+                if defaults:
+                    function.__defaults__ = tuple(None if ended(v) else v for v in defaults)
+                if keywords:
+                    function.__kwdefaults__ = {k: None if ended(v) else v for k, v in keywords.items()}
     return changed
 
 
-def _release_defaults(function: types.FunctionType, live: Any) -> bool:
-    def ended(value: object) -> bool:
-        return isinstance(value, dist.ProcessGroup) and value not in live
-
-    defaults, keywords = function.__defaults__ or (), function.__kwdefaults__ or {}
-    if not any(map(ended, (*defaults, *keywords.values()))):
-        return False
-    if defaults:
-        function.__defaults__ = tuple(None if ended(v) else v for v in defaults)
-    if keywords:
-        function.__kwdefaults__ = {k: None if ended(v) else v for k, v in keywords.items()}
-    return True
-
-
 atexit.register(release_destroyed_groups)
-
-
-def num_in_backward_optimizer_params() -> int:
-    """How many parameters torch's ``_apply_optimizer_in_backward`` has claimed, process-wide.
-
-    Reads the length of ``torch.distributed.optim.apply_optimizer_in_backward.
-    param_to_optim_hook_handle_map`` (present since torch 2.0): a cheap stamp
-    that moves when optimizer-in-backward is applied to any parameter.
-    Read only where the user's code imported that module: see [Note: no
-    imports after init_process_group].
-    """
-    module = sys.modules.get(_IN_BACKWARD_MODULE)
-    return len(getattr(module, "param_to_optim_hook_handle_map", ()))
 
 
 def remove_in_backward_optimizer_hooks(param: nn.Parameter) -> None:
@@ -178,30 +163,32 @@ def remove_in_backward_optimizer_hooks(param: nn.Parameter) -> None:
     ``param._in_backward_optimizers``, where torch put them.
     """
     hooks = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {})
-    for handle in hooks.get(param, []):
+    for handle in hooks.pop(param, []):
         handle.remove()
-    hooks.pop(param, None)
-
-
-def num_composable_states() -> int:
-    """How many modules hold a composable-API state (``fully_shard``, ...), process-wide.
-
-    Length of ``torch.distributed._composable_state._module_state_mapping``
-    (torch >= 2.0): a cheap stamp that moves when ``fully_shard`` is applied
-    anywhere. ``fully_shard`` swaps parameters in without the module
-    registration hooks, so this is how a replicated module notices it.
-    """
-    from torch.distributed import _composable_state
-
-    return len(_composable_state._module_state_mapping)
 
 
 def claimed_elsewhere() -> tuple[int, int]:
     """What other torch APIs claimed, process-wide: parameters under optimizer-in-backward, composable states.
 
     Both move when a re-plan may be due ([Note: re-planning] in core/plan.py); one call at every forward.
+    Two cheap stamps:
+
+    - how many parameters torch's ``_apply_optimizer_in_backward`` has claimed:
+      the length of ``torch.distributed.optim.apply_optimizer_in_backward.
+      param_to_optim_hook_handle_map`` (present since torch 2.0), which moves
+      when optimizer-in-backward is applied to any parameter. Read only where
+      the user's code imported that module: see [Note: no imports after
+      init_process_group].
+    - how many modules hold a composable-API state (``fully_shard``, ...): the
+      length of ``torch.distributed._composable_state._module_state_mapping``
+      (torch >= 2.0), which moves when ``fully_shard`` is applied anywhere.
+      ``fully_shard`` swaps parameters in without the module registration
+      hooks, so this is how a replicated module notices it.
     """
-    return num_in_backward_optimizer_params(), num_composable_states()
+    from torch.distributed import _composable_state
+
+    module = sys.modules.get(_IN_BACKWARD_MODULE)
+    return len(getattr(module, "param_to_optim_hook_handle_map", ())), len(_composable_state._module_state_mapping)
 
 
 def fully_sharded_modules() -> list[nn.Module]:
@@ -229,13 +216,12 @@ def composable_api(state_cls: type, function: Callable[..., Any]) -> Callable[..
     """
     from torch.distributed._composable.contract import contract
 
-    registered: Callable[..., Any] = contract(state_cls)(function)
-    return registered
+    return contract(state_cls)(function)
 
 
-def _contract_module() -> types.ModuleType:
-    # The module, not the function of the same name that the package re-exports over it.
-    return importlib.import_module("torch.distributed._composable.contract")
+# ``importlib``, not ``from ... import``: the contract module, not the function of the same name that the
+# package re-exports over it.
+_CONTRACT_MODULE = "torch.distributed._composable.contract"
 
 
 def composable_state(module: object, function: Callable[..., Any]) -> Any:
@@ -245,8 +231,7 @@ def composable_state(module: object, function: Callable[..., Any]) -> Any:
     (torch 2.13), not with the contract's own ``.state(module)``, which
     stores an empty registry in every module it is asked about.
     """
-    contract = _contract_module()
-    states = getattr(module, "__dict__", {}).get(contract.STATE_KEY)
+    states = getattr(module, "__dict__", {}).get(importlib.import_module(_CONTRACT_MODULE).STATE_KEY)
     return states.get(function) if isinstance(states, dict) else None
 
 
@@ -258,7 +243,7 @@ def without_composable_api(namespace: dict[str, Any], function: Callable[..., An
     itself is left as it was. What a copy or a pickle of a replicated module
     holds, and what a ``replicate()`` that failed part-way leaves.
     """
-    contract = _contract_module()
+    contract = importlib.import_module(_CONTRACT_MODULE)
     copied = dict(namespace)
     for key, entry in ((contract.STATE_KEY, function), (contract.REGISTRY_KEY, function.__name__)):
         held = namespace.get(key)
@@ -373,14 +358,10 @@ def tensors_in(value: Any) -> list[Any]:
     """The leaves of a forward's output (lists, tuples, dicts, named tuples and the containers
     libraries register, such as transformers' ``ModelOutput``): ``torch.utils._pytree.tree_leaves``
     (torch >= 2.0, checked on 2.13), what torch's own DDP and FSDP2 walk outputs with."""
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves(value)
+    return _pytree.tree_leaves(value)
 
 
 def moved_to(device: torch.device, value: Any) -> Any:
     """``value`` with every tensor in it moved to ``device`` (``torch.utils._pytree.tree_map``, torch >= 2.0,
     checked on 2.13): what DDP's ``device_ids`` does to a forward's inputs."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)
+    return _pytree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)

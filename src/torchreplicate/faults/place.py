@@ -93,8 +93,7 @@ class Place(NamedTuple):
     def to_json(self) -> list[Any]:
         """The place as JSON values, for a note in the store: the state's name, the step, the bucket, the
         collective's name (or None)."""
-        collective = None if self.collective is None else self.collective.name
-        return [self.state.name, self.step, self.bucket, collective]
+        return [self.state.name, self.step, self.bucket, None if self.collective is None else self.collective.name]
 
     @classmethod
     def from_json(cls, value: Sequence[Any]) -> Place:

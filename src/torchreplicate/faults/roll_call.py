@@ -44,7 +44,7 @@ class Note(NamedTuple):
 
     Attributes:
         rank: the group rank.
-        place: where it was (its state, bucket or collective, and step: lifecycle.py's ``Place``).
+        place: where it was (its state, bucket or collective, and step: place.py's ``Place``).
         detail: the bucket's parameters, or what its re-plan changed: for messages only.
         seconds: how long it had been at that place, by its own clock, when it wrote.
         failed: it had given up after a failed collective (its heartbeat stopped then).
@@ -101,21 +101,14 @@ def process_ended(pid: int, started: int) -> bool:
     except OSError:  # no /proc: ask the kernel
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
+        except (ProcessLookupError, PermissionError) as error:
+            return isinstance(error, ProcessLookupError)  # not ours to signal: it exists
         return False
     return fields[0] in ("Z", "X") or (started != 0 and int(fields[19]) != started)  # pid reused
 
 
 def _ended_here(raw: dict[str, Any], host: str, namespace: str) -> bool:
-    same_host = raw["host"] == host and raw["ns"] == namespace
-    return same_host and process_ended(raw["pid"], raw["start"])
-
-
-def _settled(raw: dict[str, Any]) -> bool:
-    return bool(raw["failed"] or raw["left"])  # its last note: no heartbeat follows
+    return raw["host"] == host and raw["ns"] == namespace and process_ended(raw["pid"], raw["start"])
 
 
 def roll_call(
@@ -135,35 +128,30 @@ def roll_call(
     """
     keys = [note_key(r) for r in range(world_size)]
     first = [json.loads(value) for value in store.multi_get(keys)]
-    latest = list(first)
-    ended = [_ended_here(raw, host, namespace) for raw in first]
+    latest, ended = list(first), [_ended_here(raw, host, namespace) for raw in first]
+
+    def settled(r: int) -> bool:  # failed or left (its last note: no heartbeat follows), or its process ended
+        return bool(latest[r]["failed"] or latest[r]["left"]) or ended[r]
+
+    def moved(r: int) -> bool:  # its counter moved, at the reader's place when one is given
+        return latest[r]["beat"] != first[r]["beat"] and place in (None, Place.from_json(latest[r]["place"]))
+
     deadline = time.monotonic() + 2 * period + 0.05
-    waiting = [r for r in range(world_size) if r != rank and not (_settled(first[r]) or ended[r])]
+    waiting = [r for r in range(world_size) if r != rank and not settled(r)]
     while waiting and time.monotonic() < deadline:
         time.sleep(max(0.0, min(period / 5, deadline - time.monotonic())))
         for r, value in zip(waiting, store.multi_get([keys[r] for r in waiting]), strict=True):
             latest[r] = json.loads(value)
             ended[r] = _ended_here(latest[r], host, namespace)
-        moved = [
-            r
-            for r in waiting
-            if (latest[r]["beat"] != first[r]["beat"] and place in (None, Place.from_json(latest[r]["place"])))
-            or _settled(latest[r])
-            or ended[r]
-        ]
-        waiting = [r for r in waiting if r not in moved]
-    notes = []
-    for r, raw in enumerate(latest):
-        alive = r == rank or (raw["beat"] != first[r]["beat"] and not ended[r])
-        notes.append(_note(r, raw, first[r]["beat"], alive, ended[r]))
-    return notes
-
-
-def _note(rank: int, raw: dict[str, Any], beats: int, alive: bool, ended: bool) -> Note:
-    return Note(
-        rank, Place.from_json(raw["place"]), raw["detail"], raw["seconds"], raw["failed"], raw["host"], raw["pid"],
-        beats, alive, raw["left"], ended,
-    )  # fmt: skip
+        waiting = [r for r in waiting if not (moved(r) or settled(r))]
+    # alive: the reader itself, or a counter that moved (in a process that did not end)
+    return [
+        Note(
+            r, Place.from_json(raw["place"]), raw["detail"], raw["seconds"], raw["failed"], raw["host"], raw["pid"],
+            first[r]["beat"], r == rank or (raw["beat"] != first[r]["beat"] and not ended[r]), raw["left"], ended[r],
+        )
+        for r, raw in enumerate(latest)
+    ]  # fmt: skip
 
 
 def gather_notes(
@@ -198,8 +186,7 @@ def decode_notes(value: bytes) -> list[Note]:
 
 def ordinal(n: int) -> str:
     """1st, 2nd, 3rd, 4th, 11th, 21st, ..."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
@@ -212,12 +199,10 @@ def describe_notes(notes: list[Note], this_rank: int, silence_s: float) -> str:
     """
     mine = notes[this_rank]
     # waiting where this rank waits (or having given up there, like this rank)
-    with_me = [n.rank for n in notes if (n.alive or n.failed) and n.place == mine.place]
-    with_me = sorted({*with_me, this_rank})
+    with_me = sorted({this_rank, *(n.rank for n in notes if (n.alive or n.failed) and n.place == mine.place)})
     parts = [_describe(note, silence_s) for note in notes if note.rank not in with_me]
-    waiting = ", ".join(str(r) for r in with_me)
     label = "rank {} waits" if len(with_me) == 1 else "ranks {} wait"
-    place = f"{label.format(waiting)} in {mine.place.describe(mine.detail)}"
+    place = f"{label.format(', '.join(map(str, with_me)))} in {mine.place.describe(mine.detail)}"
     if any(note.left for note in notes if note.rank not in with_me):
         if mine.place.in_backward:
             place += f", its {ordinal(mine.place.step + 1)} synchronised backward: "
@@ -235,14 +220,10 @@ def _describe(note: Note, silence_s: float) -> str:
         return f"rank {note.rank} {'exited' if note.ended else note.left} after {backwards}"
     if note.failed:
         return f"rank {note.rank} stopped after an error in {where}"
-    if note.ended:
+    if note.ended or not note.alive:
+        why = "has ended" if note.ended else f"sent no heartbeat in {silence_s:.1f} s"
         return (
-            f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, has ended; its last report, "
+            f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, {why}; its last report, "
             f"at most one heartbeat old, was {where})"
-        )
-    if not note.alive:
-        return (
-            f"rank {note.rank} is gone (its process, pid {note.pid} on {note.host}, sent no heartbeat "
-            f"in {silence_s:.1f} s; its last report, at most one heartbeat old, was {where})"
         )
     return f"rank {note.rank} has been in {where} for {note.seconds:.0f} s"

@@ -29,7 +29,7 @@ where DDP's would end, or where it could never finish:
   On NCCL the CPU does not wait in ``Work.wait`` (it orders the stream), so
   the waits are plain and the group's timeout (NCCL's own watchdog) rules.
 - The main thread notes where it is (``StallWatch.at``), a few attribute
-  writes per step: a ``Place`` (lifecycle.py), the module's ``TrainingState``
+  writes per step: a ``Place`` (place.py), the module's ``TrainingState``
   with a bucket index or one of our other collectives (``Collective``: the
   re-plan, the flags' all-reduce, the late, sparse and tied rounds), and the
   step. Every decision compares places: a peer is at this rank's place when
@@ -172,9 +172,7 @@ class StallWatch:
             detail: the bucket's parameters, or what a re-plan changed, for
                 messages only ("" elsewhere). Default "".
         """
-        self.place = place
-        self.detail = detail
-        self.entered = time.monotonic()
+        self.place, self.detail, self.entered = place, detail, time.monotonic()
 
     def stop(self) -> None:
         """Stops the heartbeat thread and waits for it."""
@@ -188,10 +186,8 @@ class StallWatch:
         if self.failed or self.left:
             return  # its last note is written already
         self.left = how
-        try:
+        with contextlib.suppress(Exception):  # the store is gone: nobody is left to read the note
             self._beat()
-        except Exception:  # the store is gone: nobody is left to read the note
-            pass
 
     def wait(self, work: dist.Work) -> None:
         """Waits for ``work`` (a collective of ours), looking at the peers at ``stall_timeout``, then at x2.
@@ -204,8 +200,7 @@ class StallWatch:
         if not self.sliced:
             work.wait()
             return
-        started = time.monotonic()
-        look_at = self.timeout_s
+        started, look_at = time.monotonic(), self.timeout_s
         while True:
             try:
                 work.wait(timedelta(seconds=max(0.001, look_at - (time.monotonic() - started))))
@@ -236,10 +231,9 @@ class StallWatch:
             self.failed = True
             self._beat()  # a peer stuck in its own collective reads at its wake-up that this rank gave up
             self.stop()
-            why = "a peer is gone or waits in another collective, so this one can never complete"
             raise RuntimeError(
-                f"replicate(): rank {self.rank}: {here} waited {waited:.0f} s: {why}. "
-                f"{describe_notes(notes, self.rank, 2 * self.period)}"
+                f"replicate(): rank {self.rank}: {here} waited {waited:.0f} s: a peer is gone or waits in another "
+                f"collective, so this one can never complete. {describe_notes(notes, self.rank, 2 * self.period)}"
             )
         for note in elsewhere:
             warnings.warn(
@@ -262,17 +256,13 @@ class StallWatch:
                 broadcast before a forward), named first; "" for the place's
                 own. Default "".
         """
-        what = self.place.describe(self.detail)
-        if before:
-            what = f"{before} before {what}"
+        what = (f"{before} before " if before else "") + self.place.describe(self.detail)
         # gloo's words for the work that timed out, and for another in flight whose pair it then
         # closed ("Application timeout caused pair closure": the flags' all-reduce may time out first)
-        timed_out = any(words in str(error) for words in ("Timed out", "timed out", "timeout caused pair closure"))
-        cause = (
-            f"waited more than the process group's timeout ({self.group_timeout_s:g} s)"
-            if timed_out
-            else "failed: a peer's connection broke"
-        )
+        if any(words in str(error) for words in ("Timed out", "timed out", "timeout caused pair closure")):
+            cause = f"waited more than the process group's timeout ({self.group_timeout_s:g} s)"
+        else:
+            cause = "failed: a peer's connection broke"
         head = f"replicate(): rank {self.rank}: {what} {cause}"
         try:
             # First this rank's own note, where it failed: a survivor that gathers
@@ -334,12 +324,6 @@ def _leave_at_exit(ref: weakref.ref[StallWatch]) -> None:
 _TRANSPORT_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "Timed out", "timed out", "pair closure")
 
 
-def is_transport_error(error: BaseException) -> bool:
-    """Whether a collective failed in the transport (a peer late, gone, or its connection broken)."""
-    text = str(error)
-    return not text.startswith("replicate()") and any(word in text for word in _TRANSPORT_WORDS)
-
-
 @contextlib.contextmanager
 def diagnosing(watch: Optional[StallWatch], before: str = "") -> Iterator[None]:
     """Turns a transport error of a collective inside into ``watch``'s diagnosis (``StallWatch.diagnose``).
@@ -353,6 +337,8 @@ def diagnosing(watch: Optional[StallWatch], before: str = "") -> Iterator[None]:
     try:
         yield
     except RuntimeError as error:
-        if watch is None or not is_transport_error(error):
+        # a transport error: the collective failed there (a peer late, gone, or its connection broken)
+        text = str(error)
+        if watch is None or text.startswith("replicate()") or not any(word in text for word in _TRANSPORT_WORDS):
             raise
         raise watch.diagnose(error, before) from error
