@@ -69,21 +69,8 @@ class ParamSlot:
     """
 
     __slots__ = (
-        "index",
-        "param",
-        "name",
-        "dtype",
-        "distributed",
-        "bucket",
-        "view",
-        "grad_obj",
-        "expected",
-        "optimizers",
-        "hook",
-        "fired",
-        "absorbed",
-        "moved",
-        "held",
+        *("index", "param", "name", "dtype", "distributed", "bucket", "view", "grad_obj", "expected"),
+        *("optimizers", "hook", "fired", "absorbed", "moved", "held"),
     )
 
     def __init__(self, index: int, param: nn.Parameter, name: str, expected: int = 0) -> None:

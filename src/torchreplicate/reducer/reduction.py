@@ -125,7 +125,7 @@ class Reduction:
     """
 
     divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
-    weak_group: Optional[WeakGroup] = None  # the group the collectives run on (set by bind)
+    weak_group: WeakGroup  # the group the collectives run on (set by bind)
     flags_after_waits = False  # the flags' all-reduce waits until every bucket is back (comm hooks)
 
     def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
@@ -232,7 +232,6 @@ class AllReduce(Reduction):
 
     def _default_divide_factor(self) -> float:
         # replicate(gradient_divide_factor=...), else the world size: the mean
-        assert self.weak_group is not None, "bind() comes first"
         return float(self.gradient_divide_factor or dist.get_world_size(self.weak_group.get()))
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
@@ -266,7 +265,6 @@ class AllReduce(Reduction):
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
     def shadow(self) -> None:
-        assert self.weak_group is not None, "bind() comes first"
         zeros = [torch.zeros_like(wire) for wire in self.wires]
         works = [all_reduce(z, self.weak_group.get(), self._waiter, async_op=True) for z in zeros]
         for work in works:
@@ -274,7 +272,6 @@ class AllReduce(Reduction):
             wait_for(work, self._waiter)
 
     def launch(self, index: int) -> Any:
-        assert self.weak_group is not None, "bind() comes first"
         wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
             wire.copy_(bucket.buffer)
@@ -290,11 +287,6 @@ class AllReduce(Reduction):
 def real_parts(tensor: torch.Tensor) -> torch.Tensor:
     """A complex tensor as its real and imaginary parts (``torch.view_as_real``); any other as it is."""
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
-
-
-class _HookCall(NamedTuple):
-    future: Any  # what the hook returned: a torch future (duck-typed)
-    grad_bucket: GradBucket  # what the hook was handed
 
 
 class HookReduction(Reduction):
@@ -390,12 +382,13 @@ class HookReduction(Reduction):
                 f"returned {type(future).__name__}"
             )
         self._previous = future
-        return _HookCall(future, grad_bucket)
+        return future, grad_bucket  # what the hook returned (a duck-typed torch future), and was handed
 
     def wait(self, index: int, handle: Any) -> None:
         if index == len(self._buckets) - 1:
             self._previous = None  # the step's last future: not kept, with its tensors, until the next step
-        result = hook_result(handle.future.wait(), handle.grad_bucket)
+        future, grad_bucket = handle
+        result = hook_result(future.wait(), grad_bucket)
         grads = real_parts(self._buckets[index].grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
             grads.copy_(result.reshape(-1))
