@@ -179,18 +179,15 @@ class LayoutPolicy:
         """The buckets of this policy as it stands (before or after it learned), bar the schedule's."""
         if not self.ddp:
             return plan_layout(self, self.cap_bytes, self.first_cap_bytes)
-        params = [local(slot.param) for slot in self.dense]
         limits = ddp_limits(
             self.cap_bytes, self.first_cap_bytes, rebuilt=self.order is not None, find_unused=self.find_unused
         )
-        return ddp_buckets(
-            [p.numel() for p in params],
-            [p.dtype for p in params],
-            [p.device for p in params],
-            limits,
-            order=self.order,
-            groups=self.groups,
-        )
+        return ddp_buckets(*self.sizes(), limits, order=self.order, groups=self.groups)
+
+    def sizes(self) -> tuple[list[int], list[torch.dtype], list[torch.device]]:
+        """Each dense slot's gradient elements, dtype and device (its local shard's): what the plans lay out."""
+        params = [local(slot.param) for slot in self.dense]
+        return [p.numel() for p in params], [p.dtype for p in params], [p.device for p in params]
 
     @property
     def grad_bytes(self) -> int:
@@ -216,15 +213,8 @@ def build_buckets(policy: LayoutPolicy, kind: type[Bucket]) -> list[Bucket]:
 
 def plan_layout(policy: LayoutPolicy, cap_bytes: int, first_cap_bytes: int) -> list[BucketSpec]:
     """The buckets ``policy``'s dense slots get in its order, at these caps (``plan_buckets``)."""
-    params = [local(slot.param) for slot in policy.dense]
     return plan_buckets(
-        [p.numel() for p in params],
-        [p.dtype for p in params],
-        [p.device for p in params],
-        order=policy.order,
-        cap_bytes=cap_bytes,
-        first_cap_bytes=first_cap_bytes,
-        groups=policy.groups,
+        *policy.sizes(), order=policy.order, cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes, groups=policy.groups
     )
 
 
@@ -313,13 +303,12 @@ def scheduled_layout(policy: LayoutPolicy) -> Optional[list[BucketSpec]]:
     """The buckets of ``policy.lengths`` along its order, or None when the schedule did not choose them."""
     if policy.lengths is None or policy.order is None:
         return None
-    params = [local(slot.param) for slot in policy.dense]
+    numels, dtypes, devices = policy.sizes()
     specs, start = [], 0
     for length in policy.lengths:
         indices = tuple(policy.order[start : start + length])
         start += length
-        first = params[indices[0]]
-        specs.append(BucketSpec(indices, first.dtype, first.device, sum(params[i].numel() for i in indices)))
+        specs.append(BucketSpec(indices, dtypes[indices[0]], devices[indices[0]], sum(numels[i] for i in indices)))
     return specs
 
 
@@ -354,15 +343,9 @@ def _best(
     nbytes = [params[i].numel() * params[i].element_size() for i in order]
     if link_bound_only and sum(nbytes) / policy.link.bytes_per_s <= policy.end_s:
         return None
-    return best_schedule(
-        nbytes,
-        [t * SCHEDULE_SLACK for t in ready_s],
-        policy.end_s * SCHEDULE_SLACK,
-        policy.link.latency_s,
-        policy.link.bytes_per_s,
-        MAX_CAP,
-        MIN_CAP,
-    )
+    link, slack = policy.link, SCHEDULE_SLACK
+    ready = [t * slack for t in ready_s]
+    return best_schedule(nbytes, ready, policy.end_s * slack, link.latency_s, link.bytes_per_s, MAX_CAP, MIN_CAP)
 
 
 def split_pays(policy: LayoutPolicy, tied: Sequence[int], rows_bytes: int) -> bool:
