@@ -10,6 +10,7 @@ from torchreplicate.api import ReplicateModule, replicate
 from torchreplicate.compat.checkpoint import load_ddp_state_dict
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core.state import ReplicateState
+from torchreplicate.faults.watchdog import StallWarning
 from torchreplicate.observe.summary import StepSummary, log_summary
 from torchreplicate.observe.tracing import trace
 from torchreplicate.observe.verify import ReplicaMismatchError, ReplicaReport, verify_replicas
@@ -23,6 +24,7 @@ __all__ = [
     "ReplicateConfig",
     "ReplicateModule",
     "ReplicateState",
+    "StallWarning",
     "StepSummary",
     "load_ddp_state_dict",
     "log_summary",
