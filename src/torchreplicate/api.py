@@ -7,7 +7,7 @@ import copyreg
 import functools
 import inspect
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -108,9 +108,8 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
                 runs out, instead (needed when the forward runs collectives of
                 its own, such as SyncBatchNorm). Default False.
         """
-        joinable: Any = self
         return Join(
-            [joinable],
+            [cast(Joinable, self)],
             enable=enable,
             throw_on_early_termination=throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
@@ -127,7 +126,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
         state = find_state(self)
         if not isinstance(reduced, tuple) or reduced[0] is not _NEWOBJ or state is None:
             return reduced
-        plain = _original_class(type(self))
+        plain: type = type(self).original_class  # type: ignore[attr-defined]  # the class replicate() derived from
         attributes = reduced[2]
         if isinstance(attributes, dict):
             attributes = without_registry(_without_hooks(attributes, state.hook_handles))
@@ -175,12 +174,6 @@ def _without_hooks(attributes: dict[str, Any], handles: tuple[RemovableHandle, .
             kept.update((k, v) for k, v in value.items() if k not in drop[id(value)])
             copied[name] = kept
     return copied
-
-
-def _original_class(cls: type) -> type:
-    # The class replicate() derived from.
-    original: type = cls.original_class  # type: ignore[attr-defined]
-    return original
 
 
 def replicate(
@@ -405,8 +398,7 @@ def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
     # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
     # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
     # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    return {name: tensor.detach().clone() for name, tensor in tensors}
+    return {name: tensor.detach().clone() for name, tensor in (*module.named_parameters(), *module.named_buffers())}
 
 
 @torch.no_grad()
@@ -446,8 +438,7 @@ def _refuse_unsupported(module: object) -> None:
             f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "
             f"{type(module).__name__}: applying it twice is not supported; call it once on the root module"
         )
-    outer = enclosing_state(module)
-    if outer is not None:
+    if (outer := enclosing_state(module)) is not None:
         raise RuntimeError(
             f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
             "replicate() was already applied to; apply replicate() to the blocks first, then to the "

@@ -61,9 +61,7 @@ class ReplicateConfig:
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:
         """The dtype gradients travel in: ``reduce_dtype``, or the policy's (FSDP2's default: param_dtype)."""
-        if self.mp_policy is not None:
-            return policy_dtypes(self.mp_policy)[1]
-        return self.reduce_dtype
+        return self.reduce_dtype if self.mp_policy is None else policy_dtypes(self.mp_policy)[1]
 
     @property
     def cap_bytes(self) -> Optional[int]:
@@ -111,12 +109,7 @@ class ReplicateConfig:
         }
 
     def __post_init__(self) -> None:
-        self._check_switches()
-        self._check_sizes()
-        self._check_layout()
-        self._check_precision()
-
-    def _check_switches(self) -> None:
+        # The switches, then the sizes, the layout and the precision, each refused with its own message.
         for module in self.ignored_modules:
             if not isinstance(module, nn.Module):
                 raise TypeError(
@@ -133,8 +126,20 @@ class ReplicateConfig:
                 f"replicate(): tied_split must be True, False or None, got {self.tied_split!r}; None (the "
                 'default) splits only under bucket_layout="tuned", where it pays'
             )
-
-    def _check_layout(self) -> None:
+        for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            value = getattr(self, option)  # None: DDP's 25 MiB (measured when tuned), and its first-bucket rule
+            if value is not None and not _is_positive_finite(value):
+                raise ValueError(
+                    f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
+                    "finite value, e.g. 25 (a cap above the model's size gives one bucket), or leave "
+                    "bucket_cap_mb=None: DDP's 25"
+                )
+        if self.stall_timeout is not None and not _is_positive_finite(self.stall_timeout_s):
+            raise ValueError(
+                "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
+                f"(None turns the watchdog off), got {self.stall_timeout!r}; e.g. stall_timeout=300 for steps "
+                "that may wait minutes for one rank (checkpointing on rank 0)"
+            )
         if self.bucket_layout not in BUCKET_LAYOUTS:
             raise ValueError(
                 f"replicate(): bucket_layout must be one of {', '.join(map(repr, BUCKET_LAYOUTS))}, got "
@@ -158,27 +163,6 @@ class ReplicateConfig:
                     "(the default)"
                 )
             refuse_tuning_if_deterministic()
-
-    def _check_sizes(self) -> None:
-        for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            value = getattr(self, option)
-            if value is None:
-                continue  # DDP's: 25 MiB (measured when tuned), and its first-bucket rule
-            if not _is_positive_finite(value):
-                raise ValueError(
-                    f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
-                    "finite value, e.g. 25 (a cap above the model's size gives one bucket), or leave "
-                    "bucket_cap_mb=None: DDP's 25"
-                )
-        stall = self.stall_timeout
-        if stall is not None and not _is_positive_finite(self.stall_timeout_s):
-            raise ValueError(
-                "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
-                f"(None turns the watchdog off), got {stall!r}; e.g. stall_timeout=300 for steps that "
-                "may wait minutes for one rank (checkpointing on rank 0)"
-            )
-
-    def _check_precision(self) -> None:
         if self.reduce_dtype is not None and (
             not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point
         ):
@@ -193,11 +177,10 @@ class ReplicateConfig:
                     f"replicate(): reduce_dtype={self.reduce_dtype} and mp_policy (gradients reduced in "
                     f"{policy_wire}) disagree; set the policy's reduce_dtype and drop replicate(reduce_dtype=...)"
                 )
-        factor = self.gradient_divide_factor
-        if factor is not None and not _is_positive_finite(factor):
+        if self.gradient_divide_factor is not None and not _is_positive_finite(self.gradient_divide_factor):
             raise ValueError(
                 "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
-                f"None for the mean over ranks), got {factor!r}; it must be finite"
+                f"None for the mean over ranks), got {self.gradient_divide_factor!r}; it must be finite"
             )
 
 
@@ -223,7 +206,7 @@ def refuse_tuning_if_deterministic() -> None:
         "(reproducible), or turn deterministic algorithms off"
     )
     if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(text + " (warn_only=True: tuning stays on)", UserWarning, stacklevel=4)
+        warnings.warn(text + " (warn_only=True: tuning stays on)", UserWarning, stacklevel=3)
         return
     raise RuntimeError(text)
 
@@ -262,8 +245,7 @@ def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> 
                 f"got a {device_mesh.ndim}-D mesh {tuple(names)}. Pass its data-parallel slice, e.g. {slice_hint}; "
                 "parameters that are DTensors on the other dimensions (tensor parallel) keep their placements"
             )
-        group: dist.ProcessGroup = device_mesh.get_group(0)
-        return group
+        return cast(dist.ProcessGroup, device_mesh.get_group(0))
     if process_group is None or isinstance(process_group, dist.ProcessGroup):
         return process_group
     if type(process_group).__name__ == "DeviceMesh":
@@ -295,13 +277,12 @@ def to_ignored_modules(ignored_modules: object) -> tuple[nn.Module, ...]:
             f"modules, got a single {type(ignored_modules).__name__}; pass a list, e.g. ignored_modules=[model.head]"
         )
     try:
-        modules = tuple(cast(Iterable[nn.Module], ignored_modules))
+        return tuple(cast(Iterable[nn.Module], ignored_modules))
     except TypeError:
         raise TypeError(
             f"{not_iterable_text(ignored_modules)}: replicate(): ignored_modules must be an iterable of "
             f"modules, got {type(ignored_modules).__name__}; pass e.g. ignored_modules=[model.head]"
         ) from None
-    return modules
 
 
 def to_device(device_id: Union[int, torch.device, None]) -> Optional[torch.device]:

@@ -30,18 +30,13 @@ def format_param_mismatch(per_rank: Sequence[ParamDescription], this_rank: int) 
         entries = [d[position] for d in per_rank]
         if len(set(entries)) == 1:
             continue
-        names = {name for name, _, _ in entries}
-        if len(names) > 1:
+        if len({name for name, _, _ in entries}) > 1:
             listing = ", ".join(f"rank {r}: {e[0]!r}" for r, e in enumerate(entries))
             return f"{head}Parameter #{position} has different names: {listing}.{fix}"
-        name = entries[0][0]
         listing = ", ".join(f"rank {r}: shape {list(shape)} {dtype}" for r, (_, shape, dtype) in enumerate(entries))
-        return f"{head}Parameter {name!r} differs: {listing}.{fix}"
+        return f"{head}Parameter {entries[0][0]!r} differs: {listing}.{fix}"
     listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-    extra = []
-    for r, d in enumerate(per_rank):
-        if len(d) > width:
-            extra.append(f"rank {r} also has {d[width][0]!r}")
+    extra = [f"rank {r} also has {d[width][0]!r}" for r, d in enumerate(per_rank) if len(d) > width]
     return f"{head}Different numbers of parameters ({listing}); {'; '.join(extra)}.{fix}"
 
 

@@ -125,12 +125,15 @@ def translate(
         ValueError: a DDP argument replicate() cannot honour: why, and what
             to write instead (DDP's own message first where DDP refuses too).
     """
-    unknown = sorted(set(arguments) - set(DDP_POSITIONAL_ORDER))
-    if unknown:
+    if unknown := sorted(set(arguments) - set(DDP_POSITIONAL_ORDER)):
         close = difflib.get_close_matches(unknown[0], [*own_names, *DDP_POSITIONAL_ORDER], n=1)
         hint = f"; did you mean {close[0]}=?" if close else ""
         raise TypeError(f"replicate() got an unexpected keyword argument {unknown[0]!r}{hint}")
-    _check_delay_pair(arguments)
+    if (arguments.get("delay_all_reduce_named_params") is None) != (arguments.get("param_to_hook_all_reduce") is None):
+        raise ValueError(
+            f"{DDP_DELAY_PAIR_TEXT} replicate(): both are accepted and change nothing (every parameter is "
+            "averaged in bucket order), so the simplest fix is to drop both"
+        )
     for name in DDP_POSITIONAL_ORDER:
         if name not in arguments:
             continue
@@ -182,8 +185,7 @@ def _output_device(value: Any, options: dict[str, Any], module: nn.Module) -> No
 
 
 def _module_device(module: nn.Module) -> torch.device:
-    first = next(module.parameters(), None)
-    return torch.device("cpu") if first is None else first.device
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -202,24 +204,10 @@ def _init_sync(value: Any, options: dict[str, Any], module: nn.Module) -> None:
     options["init_sync"] = value
 
 
-def _check_delay_pair(arguments: Mapping[str, Any]) -> None:
-    delay = arguments.get("delay_all_reduce_named_params") is not None
-    hook = arguments.get("param_to_hook_all_reduce") is not None
-    if delay != hook:
-        raise ValueError(
-            f"{DDP_DELAY_PAIR_TEXT} replicate(): both are accepted and change nothing (every parameter is "
-            "averaged in bucket order), so the simplest fix is to drop both"
-        )
-
-
 def _mixed_precision(value: Any, options: dict[str, Any], module: nn.Module) -> None:
     if value is None:
         return
-    fields = [
-        f"{name}={getattr(value, name)}"
-        for name in ("param_dtype", "reduce_dtype")
-        if getattr(value, name, None) is not None
-    ]
+    fields = [f"{n}={v}" for n in ("param_dtype", "reduce_dtype") if (v := getattr(value, n, None)) is not None]
     raise ValueError(
         "replicate(): mixed_precision (DDP's private _MixedPrecision) is not supported; pass torch's "
         f"public policy instead: mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy({', '.join(fields)}) "
@@ -262,7 +250,7 @@ def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module
 
 # DDP's arguments accepted for DDP call sites that change nothing here, and why: a warning where one is set
 # (not None, False or 0). param_to_hook_all_reduce is warned about with delay_all_reduce_named_params, its
-# pair (_check_delay_pair).
+# pair (checked together in translate).
 NO_EFFECT: Mapping[str, str] = MappingProxyType(
     {
         "dim": (
@@ -311,10 +299,9 @@ def refuse_module(module: nn.Module, ignored: tuple[nn.Module, ...], device_id: 
     """
     skipped = {id(p) for m in ignored for p in m.parameters()}
     uninitialized = nn.parameter.UninitializedParameter
-    params = [
-        (name, p) for name, p in module.named_parameters() if id(p) not in skipped and not isinstance(p, uninitialized)
-    ]
-    device_types = {p.device.type for _, p in params}
+    device_types = {
+        p.device.type for p in module.parameters() if id(p) not in skipped and not isinstance(p, uninitialized)
+    }
     if device_id is None and len(device_types) > 1:
         raise ValueError(
             f"{ddp_device_types_text(device_types)} replicate(): move the whole model to one device first "

@@ -132,9 +132,7 @@ def _bucket_bytes_cap(state: ReplicateState) -> int:
 
 
 def _device_type(state: ReplicateState) -> str:
-    for param in state.plan.candidates:
-        return param.device.type
-    return state.device.type
+    return next((param.device.type for param in state.plan.candidates), state.device.type)
 
 
 def ignored_by_name(module: nn.Module, ignored_modules: tuple[nn.Module, ...]) -> frozenset[str]:
@@ -199,17 +197,11 @@ def _module_buffers(state: ReplicateState) -> list[tuple[str, torch.Tensor]]:
 
 def _first_device(state: ReplicateState) -> torch.device:
     # DDP: the device of the first parameter it replicates.
-    for param in state.params:
-        return param.device
-    return state.device
-
-
-def _first_cap_is_smaller(state: ReplicateState) -> bool:
-    # DDP's definition: the first bucket's cap is below the others' (in DDP, only with its default caps).
-    return state.config.first_cap_bytes < _bucket_bytes_cap(state)
+    return next((param.device for param in state.params), state.device)
 
 
 _READ_ONLY = "DDP's configuration, fixed at construction: {}"
+_BUFFER_LIST = _READ_ONLY.format("it lists the module's buffers; register or replace buffers on the module")
 
 
 class DDPInternals:
@@ -239,19 +231,15 @@ class DDPInternals:
     mixed_precision = _DDPAttribute(
         lambda s: None, instead=_READ_ONLY.format("pass mp_policy=MixedPrecisionPolicy(...) to replicate()")
     )
-    modules_buffers = _DDPAttribute(
-        lambda s: [buffer for _, buffer in _module_buffers(s)],
-        instead=_READ_ONLY.format("it lists the module's buffers; register or replace buffers on the module"),
-    )
-    named_module_buffers = _DDPAttribute(
-        lambda s: dict(_module_buffers(s)),
-        instead=_READ_ONLY.format("it lists the module's buffers; register or replace buffers on the module"),
-    )
+    modules_buffers = _DDPAttribute(lambda s: [buffer for _, buffer in _module_buffers(s)], instead=_BUFFER_LIST)
+    named_module_buffers = _DDPAttribute(lambda s: dict(_module_buffers(s)), instead=_BUFFER_LIST)
     is_multi_device_module = _DDPAttribute(
         lambda s: len({p.device for p in s.params}) > 1, instead=_READ_ONLY.format("it follows the parameters")
     )
+    # DDP's definition: the first bucket's cap is below the others' (in DDP, only with its default caps).
     bucket_bytes_cap_default = _DDPAttribute(
-        _first_cap_is_smaller, instead=_READ_ONLY.format("pass bucket_cap_mb= and first_bucket_cap_mb=")
+        lambda s: s.config.first_cap_bytes < _bucket_bytes_cap(s),
+        instead=_READ_ONLY.format("pass bucket_cap_mb= and first_bucket_cap_mb="),
     )
 
     def __getattr__(self, name: str) -> Any:

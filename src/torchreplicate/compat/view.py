@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from torch import nn
 
@@ -75,5 +75,4 @@ def view_of(module: nn.Module) -> nn.Module:
     view.__dict__ = module.__dict__  # one namespace: the same parameters, submodules, hooks, attributes
     view._model_ref = weakref.ref(module)
     record_view(module, view)
-    made: nn.Module = view
-    return made
+    return cast(nn.Module, view)

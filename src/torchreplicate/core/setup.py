@@ -128,8 +128,7 @@ def plan_tree(
     """What ``module``'s tree replicates now: all but the ``ignored``, the ``lazy`` modules still pending and
     the children ``fully_shard`` manages; ``inner``: the replicated modules inside it (nested.py).
     """
-    skipped = list(ignored) + list(lazy)
-    skipped += [m for m in module.modules() if m is not module and is_fully_sharded(m)]
+    skipped = [*ignored, *lazy, *(m for m in module.modules() if m is not module and is_fully_sharded(m))]
     return make_plan(module, skipped, list(inner), ignored_names(module))
 
 
@@ -203,19 +202,18 @@ def build_reducer(
     dense = [slot for slot in slots if id(slot.param) not in plan.sparse]
     split = config.tied_split if config.tied_split is not None else config.bucket_layout == "tuned"
     tied = to_split(root, plan, reduction, mixed) if split else frozenset()
-    policy = LayoutPolicy(
-        dense,
-        plan.param_groups,
-        config.cap_bytes,
-        config.first_cap_bytes,
-        layout=config.bucket_layout,
-        find_unused=config.find_unused_parameters,
-        static_graph=config.static_graph,
-    )
     return Reducer(
         slots,
         group,
-        policy=policy,
+        policy=LayoutPolicy(
+            dense,
+            plan.param_groups,
+            config.cap_bytes,
+            config.first_cap_bytes,
+            layout=config.bucket_layout,
+            find_unused=config.find_unused_parameters,
+            static_graph=config.static_graph,
+        ),
         sparse=SparseGrads([slot for slot in slots if id(slot.param) in plan.sparse]),
         tied_rows=TiedRows([slot for slot in dense if id(slot.param) in tied], sync, priced=config.tied_split is None),
         bucket_kind=bucket_kind(config.gradient_as_bucket_view),
