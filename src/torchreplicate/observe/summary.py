@@ -38,7 +38,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.reducer.reduction import Waiter, all_reduce
+from torchreplicate.reducer.reduction import all_reduce
 
 logger = logging.getLogger("torchreplicate")
 
@@ -154,17 +154,8 @@ def summarize(rows: Sequence[Sequence[float]], first_step: int, last_step: int) 
     """
     windows = []
     for rank, row in enumerate(rows):
-        num_steps = max(1, int(row[0]))
-        windows.append(
-            RankWindow(
-                rank=rank,
-                num_steps=int(row[0]),
-                step_ms=row[1] / num_steps / 1e6,
-                exposed_ms=row[2] / num_steps / 1e6,
-                wire_bytes=row[3] / num_steps,
-                comm_span_ms=row[4] / num_steps / 1e6,
-            )
-        )
+        n = max(1, int(row[0]))  # steps, as a divisor
+        windows.append(RankWindow(rank, int(row[0]), row[1] / n / 1e6, row[2] / n / 1e6, row[3] / n, row[4] / n / 1e6))
     firsts = [int(row[5]) for row in rows if row[0] > 0]
     return StepSummary(min(firsts, default=first_step), last_step, tuple(windows))
 
@@ -235,10 +226,7 @@ class SummaryLogger:
         # - The window being summed (this rank's own steps)
         self._window_start_ns = time.perf_counter_ns()
         self._first_step = -1  # none yet
-        self._num_steps = 0
-        self._exposed_ns = 0
-        self._wire_bytes = 0
-        self._comm_span_ns = 0
+        self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0
         # - Reports
         self.last: Optional[StepSummary] = None  # the latest, on every rank
         subscribe(model, self._on_step)
@@ -271,42 +259,22 @@ class SummaryLogger:
             self._report(record)
 
     def _report(self, record: StepRecord) -> None:
-        # Inside the reporting step's end of backward, on every rank: one all-gather.
-        model = self._model
-        assert model is not None, "subscribed while running"
-        state = get_state(model)
-        reducer = state.reducer
-        assert reducer is not None, "a step ended, so a reducer ran it"
-        view = reducer.info
-        mine = torch.tensor(
-            [
-                self._num_steps,
-                record.end_ns - self._window_start_ns,
-                self._exposed_ns,
-                self._wire_bytes,
-                self._comm_span_ns,
-                self._first_step,
-            ],
-            dtype=torch.float64,
-            device=view.device,
-        )
-        rows = _gather_rows(mine, state.group, view.waiter)
-        summary = summarize([row.tolist() for row in rows], self._first_step, record.step)
-        self.last = summary
+        # Inside the reporting step's end of backward, on every rank: one all-gather,
+        # written as one all-reduce: each rank fills its own row of zeros (float64
+        # sums with zeros are exact). The all-reduce is waited through the stall
+        # watchdog, as the reducer's collectives are ([Note: stall watchdog] in watchdog.py).
+        assert self._model is not None, "subscribed while running"
+        state = get_state(self._model)
+        assert state.reducer is not None, "a step ended, so a reducer ran it"
+        view = state.reducer.info
+        sums = [self._num_steps, record.end_ns - self._window_start_ns, self._exposed_ns, self._wire_bytes]
+        mine = torch.tensor(sums + [self._comm_span_ns, self._first_step], dtype=torch.float64, device=view.device)
+        table = torch.zeros(dist.get_world_size(state.group), mine.numel(), dtype=mine.dtype, device=mine.device)
+        table[self._rank] = mine
+        all_reduce(table, state.group, view.waiter)
+        self.last = summary = summarize(table.tolist(), self._first_step, record.step)
         if self.log_rank is None or self.log_rank == self._rank:
             logger.log(self.level, summary.line())
         self._window_start_ns = time.perf_counter_ns()  # the next window excludes this report
         self._first_step = -1
         self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0
-
-
-def _gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter]) -> list[torch.Tensor]:
-    # An all-gather written as one all-reduce: each rank fills its own row of
-    # zeros (float64 sums with zeros are exact). The all-reduce is waited
-    # through the stall watchdog, as the reducer's collectives are
-    # ([Note: stall watchdog] in watchdog.py).
-    world_size = dist.get_world_size(group)
-    table = torch.zeros(world_size, tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    table[dist.get_rank(group)] = tensor
-    all_reduce(table, group, waiter)
-    return list(table.unbind(0))

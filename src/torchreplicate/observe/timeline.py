@@ -129,11 +129,7 @@ class StepRecorder:
         self._backward_ns = time.perf_counter_ns()
         self._step = step
         self._finalize_ns = 0
-        self._first_grad = {}
-        self._launch = {}
-        self._wait = {}
-        self._done = {}
-        self._late = []
+        self._first_grad, self._launch, self._wait, self._done, self._late = {}, {}, {}, {}, []
 
     def grad(self, bucket: int) -> None:
         """A gradient was accumulated into ``bucket``; only the first one per step is timed."""
@@ -167,41 +163,19 @@ class StepRecorder:
     def step_end(self, step: int, wire_bytes: int) -> None:
         """``step`` is complete: builds its record and hands it to every subscriber."""
         end_ns = time.perf_counter_ns()
-        record = self._record(step, wire_bytes, end_ns)
+        finalize_ns = self._finalize_ns or end_ns
+        backward_ns = self._backward_ns if self._step == step else finalize_ns
+        buckets = tuple(
+            BucketTimes(i, self._first_grad.get(i), t if hook else finalize_ns, t, hook, self._wait.get(i, done), done)
+            for i, done in sorted(self._done.items())
+            for t, hook in [self._launch.get(i, (finalize_ns, False))]  # (launched, from a hook)
+        )
+        late = self._late
+        late_rounds = tuple((late[i], late[i + 1]) for i in range(0, len(late) - 1, 2))
+        record = StepRecord(step, backward_ns, finalize_ns, end_ns, buckets, late_rounds, wire_bytes, self._replan_ns)
         self._replan_ns = None
         for subscriber in list(self.subscribers):
             subscriber(record)
-
-    # -- building the record ---------------------------------------------------
-
-    def _record(self, step: int, wire_bytes: int, end_ns: int) -> StepRecord:
-        finalize_ns = self._finalize_ns or end_ns
-        backward_ns = self._backward_ns if self._step == step else finalize_ns
-        buckets = []
-        for index in sorted(self._done):
-            launch_ns, from_hook = self._launch.get(index, (finalize_ns, False))
-            buckets.append(
-                BucketTimes(
-                    index=index,
-                    first_grad_ns=self._first_grad.get(index),
-                    ready_ns=launch_ns if from_hook else finalize_ns,
-                    launch_ns=launch_ns,
-                    from_hook=from_hook,
-                    wait_ns=self._wait.get(index, self._done[index]),
-                    done_ns=self._done[index],
-                )
-            )
-        late = self._late
-        return StepRecord(
-            step=step,
-            backward_ns=backward_ns,
-            finalize_ns=finalize_ns,
-            end_ns=end_ns,
-            buckets=tuple(buckets),
-            late_rounds=tuple((late[i], late[i + 1]) for i in range(0, len(late) - 1, 2)),
-            wire_bytes=wire_bytes,
-            replan_ns=self._replan_ns,
-        )
 
 
 def subscribe(model: nn.Module, subscriber: Subscriber) -> StepRecorder:

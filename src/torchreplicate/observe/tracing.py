@@ -127,10 +127,23 @@ class Tracer:
         plot: Union[bool, str, os.PathLike[str]] = True,
         max_steps: Optional[int] = 1000,
     ) -> None:
-        _check_arguments(path, model, plot, max_steps)
+        # - trace()'s arguments, refused at the call rather than at entry or exit
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"trace(): path must be a str or os.PathLike, got {type(path).__name__}")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"trace(): max_steps must be a positive int or None, got {max_steps!r}")
+        if not isinstance(plot, (bool, str, os.PathLike)):
+            raise TypeError(f"trace(): plot must be a bool or a path, got {type(plot).__name__}")
+        try:
+            get_state(model)
+        except ValueError as error:
+            raise ValueError(f"trace(): {error}") from None
         # - Configuration
         self.path = os.fspath(path)
-        self.plot_path: Optional[str] = _plot_path(self.path, plot)
+        # True: next to the trace file, with the suffix .png; False: no plot
+        self.plot_path: Optional[str] = (
+            None if plot is False else os.path.splitext(self.path)[0] + ".png" if plot is True else os.fspath(plot)
+        )
         self.max_steps = max_steps
         self._model: Optional[nn.Module] = model  # held while the context is open only
         # - This rank's recording
@@ -177,7 +190,14 @@ class Tracer:
         group = state.group
         self._buckets = [] if state.reducer is None else [_bucket_entry(b) for b in state.reducer.info.buckets]
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.events = rank_events(rank, world_size, _exported(profiler), self.max_steps)
+        # The profile as torch exports it (Chrome trace JSON), read back: torch
+        # writes it to a file only (torch/profiler/profiler.py, export_chrome_trace).
+        with tempfile.TemporaryDirectory(prefix="torchreplicate-trace-") as folder:
+            exported_path = os.path.join(folder, "profile.json")
+            profiler.export_chrome_trace(exported_path)
+            with open(exported_path) as file:
+                exported: dict[str, Any] = json.load(file)
+        self.events = rank_events(rank, world_size, exported, self.max_steps)
         if exc_type is not None:
             # Another rank may be elsewhere (or dead): no collective, this rank's file only.
             self._write_own_file(rank)
@@ -242,40 +262,3 @@ class Tracer:
 def _bucket_entry(info: BucketInfo) -> dict[str, Any]:
     # What "(bucket k)" in a label means: the same on every rank ([Note: one collective sequence] in reducer.py).
     return {"index": info.index, "params": list(info.names), "numel": info.numel, "bytes": info.nbytes}
-
-
-def _exported(profiler: profile) -> dict[str, Any]:
-    # The profile as torch exports it (Chrome trace JSON), read back: torch
-    # writes it to a file only (torch/profiler/profiler.py, export_chrome_trace).
-    with tempfile.TemporaryDirectory(prefix="torchreplicate-trace-") as folder:
-        path = os.path.join(folder, "profile.json")
-        profiler.export_chrome_trace(path)
-        with open(path) as file:
-            exported: dict[str, Any] = json.load(file)
-    return exported
-
-
-def _check_arguments(
-    path: Union[str, os.PathLike[str]],
-    model: nn.Module,
-    plot: Union[bool, str, os.PathLike[str]],
-    max_steps: Optional[int],
-) -> None:
-    # trace()'s arguments, refused at the call rather than at entry or exit.
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"trace(): path must be a str or os.PathLike, got {type(path).__name__}")
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-        raise ValueError(f"trace(): max_steps must be a positive int or None, got {max_steps!r}")
-    if not isinstance(plot, (bool, str, os.PathLike)):
-        raise TypeError(f"trace(): plot must be a bool or a path, got {type(plot).__name__}")
-    try:
-        get_state(model)
-    except ValueError as error:
-        raise ValueError(f"trace(): {error}") from None
-
-
-def _plot_path(path: str, plot: Union[bool, str, os.PathLike[str]]) -> Optional[str]:
-    # True: next to the trace file, with the suffix .png; False: no plot.
-    if plot is False:
-        return None
-    return os.path.splitext(path)[0] + ".png" if plot is True else os.fspath(plot)

@@ -14,6 +14,7 @@ broadcasts). The other ranks are the ones named.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Sequence, cast
 
 import torch
@@ -255,12 +256,8 @@ def _reference_group(values: Sequence[int]) -> set[int]:
     groups: dict[int, list[int]] = {}
     for rank, value in enumerate(values):
         groups.setdefault(value, []).append(rank)
-    largest = max(groups.values(), key=_group_order)
+    largest: list[int] = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     return set(largest)
-
-
-def _group_order(ranks: list[int]) -> tuple[int, int]:
-    return len(ranks), -min(ranks)
 
 
 def _explain(
@@ -272,26 +269,17 @@ def _explain(
 ) -> tuple[Mismatch, ...]:
     # The second, agreed collective: every rank sends the differing tensors'
     # bytes (zeros for a missing gradient), so every rank builds the same report.
-    pieces = []
-    for i in differing:
-        entry = entries[i]
-        tensor = entry.tensor
-        if tensor is None:
-            pieces.append(torch.zeros(entry.shape, dtype=entry.dtype).reshape(-1).view(torch.uint8))
-        else:
-            pieces.append(_host_bytes(tensor))
+    pieces = [
+        torch.zeros(e.shape, dtype=e.dtype).reshape(-1).view(torch.uint8) if e.tensor is None else _host_bytes(e.tensor)
+        for e in (entries[i] for i in differing)
+    ]
     packed = torch.cat(pieces).to(device) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(packed) for _ in table]
     dist.all_gather(gathered, packed, group=group)
-    gathered = [t.cpu() for t in gathered]
-    mismatches = []
-    offset = 0
-    for i, piece in zip(differing, pieces, strict=True):
-        entry = entries[i]
-        values = [t[offset : offset + piece.numel()] for t in gathered]
-        offset += piece.numel()
-        mismatches.append(_compare(entry, [row[1 + i] for row in table], values))
-    return tuple(mismatches)
+    split = [t.cpu().split([p.numel() for p in pieces]) for t in gathered]  # [rank][differing tensor]
+    return tuple(
+        _compare(entries[i], [row[1 + i] for row in table], [s[k] for s in split]) for k, i in enumerate(differing)
+    )
 
 
 def _compare(entry: _Entry, digests: Sequence[int], values: Sequence[torch.Tensor]) -> Mismatch:
@@ -299,9 +287,7 @@ def _compare(entry: _Entry, digests: Sequence[int], values: Sequence[torch.Tenso
     reference = _reference_group(digests)
     ref = min(reference)
     others = tuple(r for r in range(len(digests)) if r not in reference)
-    numel = 1
-    for size in entry.shape:
-        numel *= size
+    numel = math.prod(entry.shape)
     missing = [r for r in (ref, *others) if digests[r] == _NO_TENSOR]
     if missing:
         have = [r for r in (ref, *others) if digests[r] != _NO_TENSOR]
