@@ -194,9 +194,8 @@ class Reducer:
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
-        if late:
-            return self._wire_bytes + sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
-        return self._wire_bytes
+        extra = sum(b.grads.numel() * b.grads.element_size() for b in self.buckets) if late else 0
+        return self._wire_bytes + extra
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """The divisor of the sum from now on (a Join: the ranks still training); None: the default."""

@@ -265,11 +265,9 @@ class AllReduce(Reduction):
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
     def shadow(self) -> None:
-        zeros = [torch.zeros_like(wire) for wire in self.wires]
-        works = [all_reduce(z, self.weak_group.get(), self._waiter, async_op=True) for z in zeros]
-        for work in works:
-            assert work is not None
-            wait_for(work, self._waiter)
+        group = self.weak_group.get()
+        for work in [all_reduce(torch.zeros_like(wire), group, async_op=True) for wire in self.wires]:
+            wait_for(cast(dist.Work, work), self._waiter)
 
     def launch(self, index: int) -> Any:
         wire, bucket = self.wires[index], self._buckets[index]
