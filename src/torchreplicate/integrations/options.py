@@ -22,12 +22,9 @@ from torchreplicate.core.registry import enclosing_state, find_state
 # The integration decides these: the module is on the framework's device and
 # is averaged over the world group, which the framework's sampler splits the
 # data over; another group would average over the wrong ranks.
-_SET_BY_FRAMEWORK = {
-    "device_id": "{role} moves the module to its device",
-    "process_group": "{role} averages over all its processes, as its sampler splits the data",
-    "mesh": "{role} averages over all its processes, as its sampler splits the data",
-    "device_mesh": "{role} averages over all its processes, as its sampler splits the data",
-}
+_DEVICE = "{role} moves the module to its device"
+_GROUP = "{role} averages over all its processes, as its sampler splits the data"
+_SET_BY_FRAMEWORK = {"device_id": _DEVICE, "process_group": _GROUP, "mesh": _GROUP, "device_mesh": _GROUP}
 _LIGHTNING_ALSO = "(and those of Lightning's DDPStrategy but its ddp_comm_* and model_averaging_period)"
 
 # DDP's constructor arguments that replicate() takes (compat/ddp_args.py) and the
@@ -37,8 +34,8 @@ _DDP_ARGUMENT_INSTEAD = {
         "under {role} every rank starts from rank 0's weights; to keep each rank's own, call "
         "replicate(model, init_sync=False) in a loop of your own"
     ),
-    "device_ids": "{role} moves the module to its device",
-    "output_device": "{role} moves the module to its device",
+    "device_ids": _DEVICE,
+    "output_device": _DEVICE,
     "forward_sync_buffers": (
         "pass broadcast_buffers= (False skips the broadcast before forwards, and the one at set-up, which "
         "forward_sync_buffers=False keeps)"
@@ -69,17 +66,16 @@ def check_replicate_options(
         TypeError / ValueError: a bad value (``replicate()``'s own message).
     """
     known = replicate_option_names()
-    for name in options:
+    for name in (name for name in options if name not in known):  # the first name not taken raises
         if name in _SET_BY_FRAMEWORK:
             raise TypeError(f"{strategy}: {name}= is not accepted: {_SET_BY_FRAMEWORK[name].format(role=role)}")
-        if name not in known and name in DDP_POSITIONAL_ORDER:
+        if name in DDP_POSITIONAL_ORDER:
             default = f"pass replicate()'s own options ({', '.join(known)})"
             instead = _DDP_ARGUMENT_INSTEAD.get(name, default).format(role=role)
             raise TypeError(f"{strategy}: {name}= (DDP's constructor argument) is not accepted: {instead}")
-        if name not in known:
-            raise TypeError(
-                f"{strategy}: unknown option {name}=; it takes replicate()'s options: {', '.join(known)} {also}"
-            )
+        raise TypeError(
+            f"{strategy}: unknown option {name}=; it takes replicate()'s options: {', '.join(known)} {also}"
+        )
     checked = {name: value for name, value in options.items() if name in ReplicateConfig.__dataclass_fields__}
     if "ignored_modules" in checked:
         checked["ignored_modules"] = to_ignored_modules(checked["ignored_modules"])

@@ -121,8 +121,7 @@ def replicate_ft(
             "replicate_ft(): torch.distributed is not initialized; this process is its replica group: "
             'dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)'
         )
-    size = dist.get_world_size(process_group)
-    if size != 1:
+    if (size := dist.get_world_size(process_group)) != 1:
         raise ValueError(
             f"replicate_ft(): process_group has {size} ranks; a replica group must be one process "
             "(torchft connects the replica groups, each through its own Manager): start one process per "
@@ -207,5 +206,4 @@ def manager_allreduce_hook(state: ManagerHookState, bucket: Any) -> ManagerFutur
     """
     buffer = bucket.buffer()
     wire = buffer if state.reduce_dtype in (None, buffer.dtype) else buffer.to(state.reduce_dtype)
-    work = state.manager.allreduce(wire)
-    return ManagerFuture(state.manager, work, wire, buffer.dtype)
+    return ManagerFuture(state.manager, state.manager.allreduce(wire), wire, buffer.dtype)

@@ -64,8 +64,7 @@ class ReplicateAccelerator(Accelerator):
                 precision and compilation (nothing replicated). Default False.
         """
         if evaluation_mode:
-            prepared: nn.Module = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-            return prepared
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)  # type: ignore[no-any-return]
         options = {} if find_state(model) is not None else self._replicate_options
         return replicate_and_prepare(self, model, options, device_placement=device_placement)
 

@@ -46,27 +46,9 @@ from torchreplicate.core.registry import enclosing_state, find_state
 from torchreplicate.integrations.options import check_replicate_options
 
 # Where accelerate 1.16's prepare_model wraps a model in DDP: Accelerator.multi_device's types, and MULTI_CPU
-WRAPPED_IN_DDP = frozenset(
-    {
-        DistributedType.MULTI_CPU,
-        DistributedType.MULTI_GPU,
-        DistributedType.MULTI_NPU,
-        DistributedType.MULTI_MLU,
-        DistributedType.MULTI_SDAA,
-        DistributedType.MULTI_MUSA,
-        DistributedType.MULTI_XPU,
-        DistributedType.MULTI_HPU,
-        DistributedType.MULTI_NEURON,
-    }
-)
-_OTHER_PARALLELISMS = (
-    DistributedType.FSDP,
-    DistributedType.DEEPSPEED,
-    DistributedType.MEGATRON_LM,
-    DistributedType.XLA,
-)
-# DDP's keyword options that change nothing here: dropped in silence (the Trainer always sets find_unused_parameters)
-_NO_EFFECT = ("find_unused_parameters", "static_graph")
+# (together, every MULTI_* type of 1.16)
+WRAPPED_IN_DDP = frozenset(kind for kind in DistributedType if kind.name.startswith("MULTI_"))
+_OTHER_PARALLELISMS = tuple(DistributedType[name] for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"))
 ROLE = "accelerate"  # what sets the device and the group, in check_replicate_options' messages
 
 
@@ -104,8 +86,7 @@ def refuse_unsupported(accelerator: Any, caller: str = "prepare_model()") -> Non
             "fsdp / deepspeed arguments), or train without torchreplicate"
         )
     config = getattr(accelerator, "parallelism_config", None)
-    enabled = [name for name in ("tp", "cp", "sp", "dp_shard") if getattr(config, f"{name}_enabled", False)]
-    if enabled:
+    if enabled := [name for name in ("tp", "cp", "sp", "dp_shard") if getattr(config, f"{name}_enabled", False)]:
         raise ValueError(
             f"torchreplicate {caller}: the accelerator's parallelism_config enables {', '.join(enabled)} "
             f"({config!r}); replicate() replaces DDP only: set those sizes to 1, or train without torchreplicate"
@@ -139,7 +120,9 @@ def replicate_options_from(accelerator: Any) -> dict[str, Any]:
     """
     handler = getattr(accelerator, "ddp_handler", None)
     given = handler.to_kwargs() if handler is not None else {}  # accelerate's: only what differs from the default
-    return {name: value for name, value in given.items() if name not in _NO_EFFECT}
+    # DDP's keyword options that change nothing here: dropped in silence (the Trainer always sets
+    # find_unused_parameters)
+    return {name: value for name, value in given.items() if name not in ("find_unused_parameters", "static_graph")}
 
 
 def prepare_model(accelerator: Accelerator, model: nn.Module, **replicate_options: Any) -> nn.Module:
@@ -201,43 +184,29 @@ def replicate_and_prepare(
             f"torchreplicate prepare_model(): this {type(model).__name__} is inside a replicated model; prepare the "
             "replicated model itself"
         )
-    trainable = any(p.requires_grad for p in model.parameters())
-    if accelerator.distributed_type in WRAPPED_IN_DDP and trainable:
-        place = accelerator.device_placement if device_placement is None else device_placement
-        _replicate_as_ddp_would_wrap(accelerator, model, options, place=place)
-    prepared: nn.Module = accelerator.prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-    return prepared
-
-
-def _replicate_as_ddp_would_wrap(
-    accelerator: Accelerator, model: nn.Module, options: dict[str, Any], *, place: bool
-) -> None:
-    # On the accelerator's device, with its DDP options and comm hook; a model replicated already keeps its own.
-    from_accelerator = replicate_options_from(accelerator)
-    if find_state(model) is not None:
-        if options:
+    if accelerator.distributed_type in WRAPPED_IN_DDP and any(p.requires_grad for p in model.parameters()):
+        # On the accelerator's device, with its DDP options and comm hook; a model replicated already keeps its own.
+        from_accelerator = replicate_options_from(accelerator)
+        handler = getattr(accelerator, "ddp_handler", None)
+        comm_hook = handler is not None and handler.comm_hook != DDPCommunicationHookType.NO
+        if find_state(model) is None:
+            if accelerator.device_placement if device_placement is None else device_placement:
+                model.to(accelerator.device)  # before replicate(): its buckets are built where the parameters live
+            replicate(model, **{**from_accelerator, **options})
+            if comm_hook:  # accelerate's own registration: model.register_comm_hook(state, hook)
+                accelerator.ddp_handler.register_comm_hook(model)
+        elif options:
             raise ValueError(
                 f"torchreplicate prepare_model(): this {type(model).__name__} is already replicated, with its own "
                 f"options; {', '.join(f'{name}=' for name in options)} would not apply: pass them to replicate(), "
                 "or pass the plain model here"
             )
-        skipped = [f"{name}={value!r}" for name, value in from_accelerator.items()]
-        if skipped or _has_comm_hook(accelerator):
+        elif (skipped := [f"{name}={value!r}" for name, value in from_accelerator.items()]) or comm_hook:
             warnings.warn(
                 "torchreplicate prepare_model(): the model is already replicated and keeps its own options; the "
                 f"accelerator's DistributedDataParallelKwargs ({', '.join(skipped) or 'its comm hook'}) are not "
                 "applied: pass them to replicate() instead",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
-        return
-    if place:
-        model.to(accelerator.device)  # before replicate(): its buckets are built where the parameters live
-    replicate(model, **{**from_accelerator, **options})
-    if _has_comm_hook(accelerator):
-        accelerator.ddp_handler.register_comm_hook(model)  # accelerate's own: model.register_comm_hook(state, hook)
-
-
-def _has_comm_hook(accelerator: Any) -> bool:
-    handler = getattr(accelerator, "ddp_handler", None)
-    return handler is not None and handler.comm_hook != DDPCommunicationHookType.NO
+    return accelerator.prepare_model(model, device_placement=device_placement, evaluation_mode=True)  # type: ignore[no-any-return]

@@ -15,7 +15,7 @@ the same one with the same strategy object again, not with a new strategy.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Iterator, Literal, Optional
 
@@ -113,10 +113,8 @@ class ReplicateStrategy(DDPStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Backwards inside accumulate locally (gradient accumulation); the Trainer uses it between steps."""
         module = self.model
-        if module is None or find_state(module) is None:
-            yield
-            return
-        with module.no_sync():  # type: ignore[operator]  # a ReplicateModule method
+        # no_sync(): a ReplicateModule method
+        with nullcontext() if module is None or find_state(module) is None else module.no_sync():  # type: ignore[operator]
             yield
 
     @classmethod
@@ -135,22 +133,20 @@ def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwar
     """
     own_forward = module.__dict__.get("forward")
 
+    def restore() -> None:
+        module.__dict__.pop("forward", None)
+        if own_forward is not None:
+            module.forward = own_forward
+
     def redirected(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        _restore_forward(module, own_forward)
+        restore()
         return getattr(module, method_name)(*inner_args, **inner_kwargs)
 
     module.forward = redirected
     try:
         return module(*args, **kwargs)
     finally:
-        _restore_forward(module, own_forward)
-
-
-def _restore_forward(module: nn.Module, own_forward: Any) -> None:
-    if own_forward is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = own_forward
+        restore()
 
 
 ReplicateStrategy.register_strategies(StrategyRegistry)
