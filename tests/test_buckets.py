@@ -202,7 +202,8 @@ def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
     its step (issue 37's review: a scale-tensor fold differed by an ulp in bf16/fp16 at 3 ranks)."""
     from torch import nn
 
-    from torchreplicate.reducer.bucket import ViewBucket, make_slots
+    from torchreplicate.core.setup import make_slots
+    from torchreplicate.reducer.bucket import ViewBucket
 
     torch.manual_seed(0)
     param = nn.Parameter(torch.zeros(1000, dtype=dtype))

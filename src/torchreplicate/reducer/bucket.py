@@ -45,11 +45,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.errors import changed_since_plan, foreign_hook_error, some_names
+from torchreplicate.errors import changed_since_plan, some_names
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.torch_internals import (
     in_backward_optimizers,
-    num_post_accumulate_grad_hooks,
     remove_in_backward_optimizer_hooks,
 )
 
@@ -117,7 +116,7 @@ class Bucket:
     """One flat gradient buffer, the slots laid out in it, and its part of each synchronised backward.
 
     The interface and what both layouts share; ``ViewBucket`` and
-    ``CopyBucket`` say where ``.grad`` lives (``bucket_kind``).
+    ``CopyBucket`` say where ``.grad`` lives (core/setup.py's ``bucket_kind``).
 
     Args:
         index: position in the launch order.
@@ -363,19 +362,6 @@ class Bucket:
         slot.absorbed = True
 
 
-def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: dict[int, int]) -> list[ParamSlot]:
-    """One slot per parameter, with the firing counts an earlier reducer learned (by ``id``).
-
-    Raises:
-        ValueError: a parameter carries a post-accumulate-grad hook of its own.
-    """
-    slots = [ParamSlot(i, p, n, expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))]
-    for slot in slots:
-        if num_post_accumulate_grad_hooks(slot.param):
-            raise foreign_hook_error(slot.name)
-    return slots
-
-
 def adopt_in_backward_optimizers(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
     """The slots whose parameters torch's optimizer-in-backward steps, with its own hooks removed.
 
@@ -505,11 +491,3 @@ class DividingViewBucket(ViewBucket):
     is its view when the bucket leaves (``zero_grad(set_to_none=False)``) is divided in place."""
 
     divides_views = True
-
-
-def bucket_kind(gradient_as_bucket_view: Optional[bool]) -> type[Bucket]:
-    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives, and
-    DDP's arithmetic for the same argument (None, the default: views, with DDP's default arithmetic)."""
-    if gradient_as_bucket_view is None:
-        return ViewBucket
-    return DividingViewBucket if gradient_as_bucket_view else CopyBucket

@@ -96,12 +96,12 @@ class Reducer:
     rounds' parameters, the layout policy).
 
     Args:
-        slots: one per parameter to reduce, in registration order (``make_slots``).
+        slots: one per parameter to reduce, in registration order (core/setup.py's ``make_slots``).
         group: the process group to reduce over.
         policy: how the dense slots are laid out in buckets, and what is still to learn (layout/policy.py).
         sparse: the slots with sparse gradients, reduced outside the buckets (sparse.py).
         tied_rows: the tied parameters split by rows ([Note: tied parameters] in tied_rows.py).
-        bucket_kind: where ``.grad`` lives (bucket.py's ``ViewBucket`` or ``CopyBucket``).
+        bucket_kind: where ``.grad`` lives (a bucket.py class: core/setup.py's ``bucket_kind``).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.

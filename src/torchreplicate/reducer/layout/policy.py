@@ -200,7 +200,7 @@ def build_buckets(policy: LayoutPolicy, kind: type[Bucket]) -> list[Bucket]:
 
     Args:
         policy: the layout policy (its dense slots, order, caps, groups).
-        kind: where ``.grad`` lives (bucket.py's ``bucket_kind``).
+        kind: where ``.grad`` lives (core/setup.py's ``bucket_kind``).
     """
     dense = policy.dense
     if not dense:
