@@ -94,19 +94,11 @@ class ReplicateConfig:
     @property
     def wire_options(self) -> dict[str, str]:
         """What decides the size and order of every collective, as text: every rank must agree on it."""
-        return {
-            "bucket_cap_mb": str(self.bucket_cap_mb),
-            "bucket_layout": self.bucket_layout,
-            "graph": self.graph,
-            "first_bucket_cap_mb": str(self.first_bucket_cap_mb),
-            "find_unused_parameters": str(self.find_unused_parameters),
-            "static_graph": str(self.static_graph),
-            "tied_split": str(self.tied_split),
-            "reduce_dtype": str(self.wire_dtype),
-            "param_dtype": str(None if self.mp_policy is None else self.mp_policy.param_dtype),
-            "broadcast_buffers": str(self.broadcast_buffers),
-            "init_sync_buffers": str(self.init_sync_buffers),
-        }
+        names = ("bucket_cap_mb", "bucket_layout", "graph", "first_bucket_cap_mb", "find_unused_parameters")
+        names_too = ("static_graph", "tied_split", "broadcast_buffers", "init_sync_buffers")
+        param_dtype = None if self.mp_policy is None else self.mp_policy.param_dtype
+        options = {name: str(getattr(self, name)) for name in (*names, *names_too)}
+        return {**options, "reduce_dtype": str(self.wire_dtype), "param_dtype": str(param_dtype)}
 
     def __post_init__(self) -> None:
         # The switches, then the sizes, the layout and the precision, each refused with its own message.

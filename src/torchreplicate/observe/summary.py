@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from types import TracebackType
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -240,12 +239,7 @@ class SummaryLogger:
     def __enter__(self) -> SummaryLogger:
         return self
 
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _on_step(self, record: StepRecord) -> None:

@@ -28,7 +28,6 @@ import logging
 import os
 import tempfile
 import warnings
-from types import TracebackType
 from typing import Any, Optional, Union
 
 import torch
@@ -171,12 +170,7 @@ class Tracer:
             pass
         return self
 
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], *exc_info: object) -> None:
         model, profiler = self._model, self.profiler
         assert model is not None and profiler is not None, "entered"
         self._model = None
