@@ -69,8 +69,7 @@ def verify_params_across_ranks(
     local = torch.tensor([fingerprint(description, options)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     wait_for(cast(dist.Work, dist.all_gather(gathered, local, group=group, async_op=True)), waiter)
-    digests = [int(t.item()) for t in gathered]
-    if len(set(digests)) == 1:
+    if len({int(t.item()) for t in gathered}) == 1:
         return
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, (description, options), group=group)

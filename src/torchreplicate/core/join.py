@@ -86,8 +86,7 @@ def start_join(state: ReplicateState, options: dict[str, Any]) -> ReplicateJoinH
     """torch's ``join_hook(**options)`` for a replicated module: the hook, and the divisor it asks for."""
     if state.join_refusal is not None:
         raise RuntimeError(state.join_refusal)
-    unknown = set(options) - {"divide_by_initial_world_size"}
-    if unknown:
+    if unknown := set(options) - {"divide_by_initial_world_size"}:
         raise TypeError(f"join_hook(): unexpected option(s) {sorted(unknown)}; it takes divide_by_initial_world_size")
     hook = state.join_hook = ReplicateJoinHook(state, options.get("divide_by_initial_world_size", True))
     return hook

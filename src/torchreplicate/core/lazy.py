@@ -130,6 +130,5 @@ class _LazyWatch:
             return  # no collective without gradients; still lazy: torch raised its own error; a deep copy
         assert self.handle is not None, "set at registration"
         self.handle.remove()
-        owner = self.owner_ref()
-        if owner is not None:  # else replicate() failed part-way
+        if (owner := self.owner_ref()) is not None:  # else replicate() failed part-way
             self.method(owner, module)

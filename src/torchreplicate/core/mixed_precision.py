@@ -54,8 +54,7 @@ class MixedPrecision:
             return
         wanted = {id(p) for p in plan.candidates if p.is_floating_point() and p.dtype != self.param_dtype}
         for module in root.modules():
-            names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
-            if names:
+            if names := [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]:
                 cast = _CastParams(names, self.param_dtype)
                 self._handles.append(module.register_forward_pre_hook(cast.before))
                 self._handles.append(module.register_forward_hook(cast.after, always_call=True))

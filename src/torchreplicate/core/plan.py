@@ -113,13 +113,7 @@ def _buffer_keys(buffers: Sequence[BufferRef]) -> list[tuple[int, str]]:
 
 
 def _signature(param: nn.Parameter) -> tuple[object, ...]:
-    return (
-        id(param),
-        param.dtype,
-        param.device,
-        tuple(param.shape),
-        len(in_backward_optimizers(param)),
-    )
+    return (id(param), param.dtype, param.device, tuple(param.shape), len(in_backward_optimizers(param)))
 
 
 def make_plan(
@@ -141,11 +135,8 @@ def make_plan(
     """
     skipped_params = {id(p) for m in skipped for p in m.parameters()}
     skipped_buffers = {id(b) for m in skipped for b in m.buffers()}
-    names, candidates = [], []
-    for name, param in root.named_parameters():
-        if id(param) not in skipped_params and name not in skipped_names:
-            names.append(name)
-            candidates.append(param)
+    named = [(n, p) for n, p in root.named_parameters() if id(p) not in skipped_params and n not in skipped_names]
+    names, candidates = [n for n, _ in named], [p for _, p in named]
     buffers: list[BufferRef] = []
     buffer_ids: set[int] = set()
     for prefix, module in root.named_modules():
@@ -156,15 +147,9 @@ def make_plan(
             if (f"{prefix}.{name}" if prefix else name) in skipped_names:
                 continue
             buffers.append((weakref.ref(module), name))
-    group_of: dict[int, int] = {}
-    for number, module in enumerate(inner, start=1):
-        for param in module.parameters():
-            group_of[id(param)] = number  # a deeper module comes later: the innermost wins
-    sparse = {
-        id(module.weight)
-        for module in root.modules()
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse
-    }
+    # a deeper module comes later: the innermost wins
+    group_of = {id(param): number for number, module in enumerate(inner, start=1) for param in module.parameters()}
+    sparse = {id(m.weight) for m in root.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
     return Plan(
         candidate_names=tuple(names),
         candidates=tuple(candidates),
@@ -191,13 +176,11 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
         TypeError: not a collection of ``str`` (a single ``str``, which DDP
             would silently read as its characters, included).
     """
-    names = getattr(module, IGNORE_ATTRIBUTE, None)
-    if names is None:
+    if (names := getattr(module, IGNORE_ATTRIBUTE, None)) is None:
         return frozenset()
     checked = check_ignored_names(names)
     known = {name for name, _ in module.named_parameters()} | {name for name, _ in module.named_buffers()}
-    unknown = sorted(checked - known)
-    if unknown:
+    if unknown := sorted(checked - known):
         warnings.warn(
             f"replicate(): {IGNORE_ATTRIBUTE} names {unknown[:3]}{' and more' if len(unknown) > 3 else ''}, "
             "which match no parameter or buffer of the replicated module by the name named_parameters() / "
@@ -226,8 +209,7 @@ def check_ignored_names(names: object) -> frozenset[str]:
         raise TypeError(
             f"replicate(): {IGNORE_ATTRIBUTE} must be a collection of names, got {names!r}; {fix}"
         ) from None
-    wrong = [item for item in items if not isinstance(item, str)]
-    if wrong:
+    if wrong := [item for item in items if not isinstance(item, str)]:
         raise TypeError(
             f"replicate(): {IGNORE_ATTRIBUTE} must hold fully qualified names (str), got {wrong[0]!r} "
             f"({type(wrong[0]).__name__}); {fix}"
@@ -248,9 +230,7 @@ def describe_change(old: Plan, new: Plan, most: int = 3) -> str:
             changes.append(f"{name!r} replaced or converted")
     names = set(new.candidate_names)
     changes += [f"{name!r} removed" for name in old.candidate_names if name not in names]
-    if not changes:
-        return "buffers changed"
-    return some_names(changes, most, quote=False)
+    return some_names(changes, most, quote=False) if changes else "buffers changed"
 
 
 def new_tensors(old: Plan, new: Plan, buffers: bool = True) -> list[torch.Tensor]:
@@ -260,8 +240,7 @@ def new_tensors(old: Plan, new: Plan, buffers: bool = True) -> list[torch.Tensor
     if not buffers:
         return fresh
     old_buffers = set(_buffer_keys(old.buffers))
-    values = new.buffer_values()
-    fresh += [b for key, b in zip(_buffer_keys(new.buffers), values, strict=True) if key not in old_buffers]
+    fresh += [b for k, b in zip(_buffer_keys(new.buffers), new.buffer_values(), strict=True) if k not in old_buffers]
     return fresh
 
 
@@ -278,7 +257,6 @@ class ReplansOnConversion:
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         result = super()._apply(fn, recurse)  # type: ignore[misc]  # nn.Module's, further along the MRO
-        state = find_state(self)
-        if state is not None:
+        if (state := find_state(self)) is not None:
             state.note_change()
         return result

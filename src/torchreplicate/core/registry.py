@@ -146,8 +146,7 @@ def get_state(module: object) -> Any:
     Raises:
         ValueError: if ``replicate()`` was not applied to ``module``.
     """
-    state = find_state(module)
-    if state is None:
+    if (state := find_state(module)) is None:
         raise ValueError(
             f"replicate.state(): {type(module).__name__} is not managed by replicate(); call replicate(module) first"
         )

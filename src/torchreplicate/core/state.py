@@ -132,8 +132,7 @@ class ReplicateState:
     @property
     def module(self) -> nn.Module:
         """The root module ``replicate()`` was applied to."""
-        module = self._module_ref()
-        if module is None:
+        if (module := self._module_ref()) is None:
             raise RuntimeError("replicate.state(): the replicated module was garbage-collected")
         return module
 

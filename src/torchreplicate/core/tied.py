@@ -137,7 +137,6 @@ class _HolderHook:
 
 
 def _arrived(reducer: Reducer, index: int, copy: torch.Tensor) -> None:
-    grad = copy.grad
-    if grad is not None:
+    if (grad := copy.grad) is not None:
         copy.grad = None
         reducer.tied_rows.arrive(index, grad)

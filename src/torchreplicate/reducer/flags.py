@@ -314,9 +314,7 @@ class StepFlags:
     """
 
     def __init__(self, device: torch.device, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
-        self.num_params = num_params
-        self.clock = clock
-        self.layout_digest = layout_digest
+        self.num_params, self.clock, self.layout_digest = num_params, clock, layout_digest
         self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
         self.turn = 0  # the tensor this step writes and sums
         # on the host, each tensor's sums a step late, as NumPy views made once (no tensor read in a step)

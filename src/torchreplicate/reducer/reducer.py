@@ -159,7 +159,10 @@ class Reducer:
         # the end-of-backward callback queued for this step, held weakly: None once
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
         self._end: Callable[[], Optional[object]] = _no_callback
-        self._register_hooks()
+        sparse_ids = {id(slot.param) for slot in self.sparse.slots}
+        for slot in self.slots:
+            hook = self._on_sparse_grad if id(slot.param) in sparse_ids else self._on_grad_accumulated
+            slot.hook = slot.param.register_post_accumulate_grad_hook(functools.partial(hook, slot))
         for bucket in self.buckets:
             bucket.adopt_grads()
 
@@ -194,20 +197,13 @@ class Reducer:
 
     def wire_bytes(self, late: bool = False) -> int:
         """Bytes one synchronised backward hands to the reducer's collectives (per rank)."""
-        extra = sum(b.grads.numel() * b.grads.element_size() for b in self.buckets) if late else 0
-        return self._wire_bytes + extra
+        return self._wire_bytes + (sum(b.grads.numel() * b.grads.element_size() for b in self.buckets) if late else 0)
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """The divisor of the sum from now on (a Join: the ranks still training); None: the default."""
         self.reduction.set_divide_factor(divide_factor)  # the scales, shared with the buckets, change in place
 
     # -- set-up ----------------------------------------------------------------
-
-    def _register_hooks(self) -> None:
-        sparse = {id(slot.param) for slot in self.sparse.slots}
-        for slot in self.slots:
-            hook = self._on_sparse_grad if id(slot.param) in sparse else self._on_grad_accumulated
-            slot.hook = slot.param.register_post_accumulate_grad_hook(functools.partial(hook, slot))
 
     def use_reduction(self, reduction: Reduction) -> None:
         """Switches to another reduction (a comm hook registered); before the first step, else RuntimeError."""
@@ -310,10 +306,8 @@ class Reducer:
 
     def _traced_reduce(self, param: nn.Parameter) -> None:
         # Traced by compiled autograd: [Note: compiled autograd] in reduction.py.
-        if not self.sync.on:
-            return
         grad = param.grad
-        if grad is None:
+        if not self.sync.on or grad is None:
             return
         grad.copy_(self.reduction.traced(grad, self._group.name))
 

@@ -74,14 +74,12 @@ class LateRound:
 
     def reduce(self, end: RoundInputs) -> None:
         """Adds the mean of every rank's late gradients to the reduced ``.grad``."""
-        probe = end.probe
-        with probe.span("late_round"):
-            probe.late_round(True, end.step)
+        with end.probe.span("late_round"):
+            end.probe.late_round(True, end.step)
             for bucket in end.buckets:
-                extra = bucket.late_sum(end.late_grads)
-                all_reduce(extra, end.group, probe.watch)
+                all_reduce(extra := bucket.late_sum(end.late_grads), end.group, end.probe.watch)
                 bucket.add_to_grads(extra.div_(end.divide_factor))
-            probe.late_round(False, end.step)
+            end.probe.late_round(False, end.step)
 
     def shadow(self, end: RoundInputs) -> None:
         """Zeros for every bucket."""

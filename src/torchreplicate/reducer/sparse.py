@@ -45,18 +45,15 @@ class SparseGrads:
         """All-reduces every sparse gradient and writes back its average (or None): a round (rounds.py)."""
         end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.SPARSE))
         for slot in self.slots:
-            param = slot.param
-            grad = param.grad
+            param, grad = slot.param, slot.param.grad
             if grad is None:
                 grad = _empty_like(param)
             elif not grad.is_sparse:
                 raise RuntimeError(
-                    f"replicate(): parameter {slot.name!r} was planned for sparse gradients "
-                    f"(nn.Embedding(sparse=True)) but got a dense one; set the module's sparse "
-                    "flag before replicate() and keep it"
+                    f"replicate(): parameter {slot.name!r} was planned for sparse gradients (nn.Embedding(sparse=True))"
+                    " but got a dense one; set the module's sparse flag before replicate() and keep it"
                 )
-            summed = grad.coalesce().clone()
-            all_reduce(summed, end.group, end.probe.watch)
+            all_reduce(summed := grad.coalesce().clone(), end.group, end.probe.watch)
             param.grad = None if slot.index in end.sums.unused_everywhere else (summed / end.divide_factor).coalesce()
 
     def shadow(self, end: RoundInputs) -> None:

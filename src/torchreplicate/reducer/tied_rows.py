@@ -77,8 +77,7 @@ class TiedRows:
 
     def keep(self, index: int, grad: torch.Tensor) -> None:
         """Adds a detached use's gradient of slot ``index`` to what the next round reduces."""
-        kept = self.kept.get(index)
-        self.kept[index] = grad.detach() if kept is None else kept + grad.detach()
+        self.kept[index] = grad.detach() if (kept := self.kept.get(index)) is None else kept + grad.detach()
 
     @torch.no_grad()
     def arrive(self, index: int, grad: torch.Tensor) -> None:
@@ -103,33 +102,28 @@ class TiedRows:
         """
         end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.TIED_ROWS))
         with end.probe.span("tied_rows"):
-            self._reduce(end.group, end.divide_factor, end.probe.watch)
-
-    def _reduce(self, group: dist.ProcessGroup, divide_factor: float, waiter: Optional[Waiter]) -> None:
-        started = time.perf_counter_ns()
-        kept, self.kept = self.kept, {}
-        rows = self._agree_rows(group, waiter, kept)
-        for slot, picked in zip(self.slots, rows, strict=True):
-            if picked.numel() == 0:
-                continue
-            param = slot.param
-            grad = kept.get(slot.index)
-            if grad is None:
-                mean = param.new_zeros((picked.numel(), *_row_shape(param)))
-            else:
-                mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
-            # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
-            all_reduce(mean, group, waiter)
-            slot.bucket.add_rows(slot, picked, mean)
-        self.round_ns = time.perf_counter_ns() - started
+            started = time.perf_counter_ns()
+            group, waiter, divide_factor = end.group, end.probe.watch, end.divide_factor
+            kept, self.kept = self.kept, {}
+            for slot, picked in zip(self.slots, self._agree_rows(group, waiter, kept), strict=True):
+                if picked.numel() == 0:
+                    continue
+                param, grad = slot.param, kept.get(slot.index)
+                if grad is None:
+                    mean = param.new_zeros((picked.numel(), *_row_shape(param)))
+                else:
+                    mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
+                # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
+                all_reduce(mean, group, waiter)
+                slot.bucket.add_rows(slot, picked, mean)
+            self.round_ns = time.perf_counter_ns() - started
 
     @torch.no_grad()
     def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part (join.py): the same collectives, zeros."""
-        waiter = end.probe.watch
-        for slot, picked in zip(self.slots, self._agree_rows(end.group, waiter, {}), strict=True):
+        for slot, picked in zip(self.slots, self._agree_rows(end.group, end.probe.watch, {}), strict=True):
             if picked.numel():
-                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), end.group, waiter)
+                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), end.group, end.probe.watch)
 
     def _agree_rows(
         self, group: dist.ProcessGroup, waiter: Optional[Waiter], kept: dict[int, torch.Tensor]
@@ -138,8 +132,7 @@ class TiedRows:
         sizes = [_num_rows(slot.param) for slot in self.slots]
         mask = torch.zeros(sum(sizes), dtype=torch.int32, device=self.slots[0].param.device)
         for slot, piece in zip(self.slots, mask.split(sizes), strict=True):
-            grad = kept.get(slot.index)
-            if grad is not None:
+            if (grad := kept.get(slot.index)) is not None:
                 piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
         all_reduce(mask, group, waiter)
         rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]

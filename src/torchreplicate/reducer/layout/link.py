@@ -56,8 +56,7 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> LinkModel:
 
 def choose_cap(link: LinkModel) -> int:
     """The bucket cap in bytes: latency at most ``OVERHEAD`` of the transfer, within bounds."""
-    cap = link.latency_s * link.bytes_per_s / OVERHEAD
-    return int(min(MAX_CAP, max(MIN_CAP, cap)))
+    return int(min(MAX_CAP, max(MIN_CAP, link.latency_s * link.bytes_per_s / OVERHEAD)))
 
 
 def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
@@ -77,8 +76,7 @@ def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
 @torch.no_grad()
 def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, budget_bytes: int) -> LinkModel:
     """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count."""
-    element = torch.empty((), dtype=dtype).element_size()
-    sizes = calibration_sizes(budget_bytes, element)
+    sizes = calibration_sizes(budget_bytes, element := torch.empty((), dtype=dtype).element_size())
     typical = []
     for numel in sizes:
         scratch = torch.zeros(numel, dtype=dtype, device=device)

@@ -152,10 +152,7 @@ def ddp_buckets(
             walk[key] = min(at + 1, len(limits) - 1)
         open_[key] = (indices, size)
     still_open = [indices for indices, _ in open_.values() if indices]
-    if order is None:
-        buckets = sorted(closed + still_open, key=min)[::-1]
-    else:
-        buckets = closed + still_open[::-1]
+    buckets = sorted(closed + still_open, key=min)[::-1] if order is None else closed + still_open[::-1]
     return [BucketSpec(tuple(b), dtypes[b[0]], torch.device(devices[b[0]]), sum(numels[i] for i in b)) for b in buckets]
 
 
@@ -198,9 +195,7 @@ class _Filler:
     # The open buckets, one per (dtype, device), filling in parallel.
 
     def __init__(self, numels: Sequence[int], cap_bytes: int, first_cap_bytes: int) -> None:
-        self.numels = numels
-        self.cap_bytes = cap_bytes
-        self.first_cap_bytes = first_cap_bytes
+        self.numels, self.cap_bytes, self.first_cap_bytes = numels, cap_bytes, first_cap_bytes
         self.buckets: list[BucketSpec] = []  # closed, in launch order
         self.open: dict[_Key, tuple[list[int], int]] = {}  # key -> (parameter indices, numel)
 
@@ -277,8 +272,7 @@ def best_schedule(
     start_of = np.zeros(count + 1, dtype=np.int64)
     for i in range(1, count + 1):
         leaves = max(ready[i - 1], end_s) if i == count else ready[i - 1]
-        first = int(np.searchsorted(sizes, sizes[i] - max_bytes, side="left"))  # the largest bucket allowed
-        first = min(first, i - 1)
+        first = min(int(np.searchsorted(sizes, sizes[i] - max_bytes, side="left")), i - 1)  # the largest bucket allowed
         ends = np.maximum(leaves, finish[first:i]) + latency_s + (sizes[i] - sizes[first:i]) / bytes_per_s
         small = sizes[i] - sizes[first:i] < min_bytes
         if first == 0:
@@ -289,8 +283,7 @@ def best_schedule(
         near = np.flatnonzero(ends <= best + 1e-6)  # within a microsecond: the fewest buckets
         pick = first + int(near[np.argmin(buckets[first + near])])
         finish[i], buckets[i], start_of[i] = ends[pick - first], buckets[pick] + 1, pick
-    lengths = []
-    i = count
+    lengths, i = [], count
     while i > 0:
         lengths.append(i - int(start_of[i]))
         i = int(start_of[i])

@@ -286,8 +286,7 @@ def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tenso
     cap = choose_cap(link)
     if max(cap, policy.cap_bytes) / min(cap, policy.cap_bytes) <= RETUNE_FACTOR:
         return False
-    policy.link, policy.cap_bytes = link, cap
-    policy.first_cap_bytes = min(policy.first_cap_bytes, cap)
+    policy.link, policy.cap_bytes, policy.first_cap_bytes = link, cap, min(policy.first_cap_bytes, cap)
     policy.lengths = schedule(policy)
     return True
 
