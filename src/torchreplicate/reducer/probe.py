@@ -46,7 +46,7 @@ from torch.autograd.profiler import record_function
 from torchreplicate.faults.place import Collective, Place
 from torchreplicate.faults.watchdog import StallWatch
 from torchreplicate.lifecycle import TrainingState
-from torchreplicate.torch_internals import PROFILER
+from torchreplicate.torch_internals import profiler_active
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket
@@ -56,6 +56,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 PREFIX = "torchreplicate::"
 PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round", "tied_rows")
 _NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def _recording() -> bool:
+    # Whether a profiler records: the one place this file asks torch_internals.py (whose name is private torch's).
+    return profiler_active()
 
 
 def label(phase: str, bucket: Optional[int] = None) -> str:
@@ -71,7 +76,7 @@ def labelled(phase: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if PROFILER._is_profiler_enabled is not True:  # torch_internals.profiler_active, inlined: per call
+            if not _recording():
                 return fn(*args, **kwargs)
             with record_function(name):
                 return fn(*args, **kwargs)
@@ -149,7 +154,7 @@ class Probe:
 
     def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
         """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
-        return record_function(label(phase, bucket)) if PROFILER._is_profiler_enabled is True else _NO_SPAN
+        return record_function(label(phase, bucket)) if _recording() else _NO_SPAN
 
     def backward(self, step: int) -> None:
         """The synchronised backward of ``step`` started."""
