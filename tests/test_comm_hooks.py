@@ -32,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_versions import TORCH_RELEASE
 from models import MLP, MODELS, TINY_BUCKETS
 from parity import (
     PER_RANK,
@@ -45,17 +46,16 @@ from parity import (
 from torchreplicate import replicate
 
 # Torch releases where a stock hook is known to fail by itself, under DDP as
-# under replicate(). Checked on 2.13.0, the release the suite is tested on; add
-# a release to a set once it is seen failing the same way.
-TORCH_RELEASE = torch.__version__.split("+")[0]
+# under replicate(). Seen failing the same way on each release of the torch
+# range (scripts/torch_range.sh); add a release to a set once it is seen.
 # quantization_pertensor_hook / quantization_perchannel_hook index the
 # all_gather future's value as NCCL returns it; gloo returns a flat list, so
 # the hook's own callback raises IndexError (quantization_hooks.py).
-QUANTIZATION_HOOKS_BROKEN_ON_GLOO = TORCH_RELEASE in {"2.13.0"}
+QUANTIZATION_HOOKS_BROKEN_ON_GLOO = TORCH_RELEASE in {"2.9.1", "2.11.0", "2.13.0", "2.14.1"}
 # batched_powerSGD_hook passes its 2-D Q to _orthogonalize, which raises
 # AssertionError on anything but a 3-D batch of matrices, at the first
 # compressed step (on any backend).
-BATCHED_POWERSGD_BROKEN = TORCH_RELEASE in {"2.13.0"}
+BATCHED_POWERSGD_BROKEN = TORCH_RELEASE in {"2.9.1", "2.11.0", "2.13.0", "2.14.1"}
 
 # Unit roundoff (half an ulp at 1.0) of the compressed formats: fp16 keeps 11
 # significant bits, bf16 keeps 8.

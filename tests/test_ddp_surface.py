@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_versions import ddp_attribute, set_ddp_attribute
 from parity import gather, same_on_every_rank
 from torchreplicate import replicate
 
@@ -185,7 +186,7 @@ SAME_VALUE = (
 
 def assert_same_surface(ours: nn.Module, wrapped: DDP, where: str) -> None:
     for name in SAME_VALUE:
-        mine, theirs = getattr(ours, name), getattr(wrapped, name)
+        mine, theirs = getattr(ours, name), ddp_attribute(wrapped, name)
         assert mine == theirs, f"{where}: {name} is {mine!r}, DDP's {theirs!r}"
     assert ours.will_sync_module_buffers() == wrapped.will_sync_module_buffers(), f"{where}: will_sync_module_buffers"
     assert set(ours.parameters_to_ignore) == wrapped.parameters_to_ignore, f"{where}: parameters_to_ignore"
@@ -225,8 +226,8 @@ def surface_as_ddp(rank, world_size):
     one_step((ours, wrapped), rank, 3)
     assert_same_surface(ours, wrapped, f"rank {rank}, broadcast_buffers=False")
     assert_as_ddp(ours, wrapped, f"rank {rank}, after a forward with broadcast_buffers=False")
-    for runner in (ours, wrapped):
-        runner.forward_sync_buffers = True
+    ours.forward_sync_buffers = True
+    set_ddp_attribute(wrapped, "forward_sync_buffers", True)
     one_step((ours, wrapped), rank, 4)
     assert_as_ddp(ours, wrapped, f"rank {rank}, forward_sync_buffers=True again")
 

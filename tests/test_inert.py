@@ -135,7 +135,6 @@ def every_mode_draws_nothing(rank: int, world_size: int, tmp: str) -> None:
 
     assert_draws_nothing(rank, "trace()", traced)
     assert_draws_nothing(rank, "verify_replicas()", lambda: torchreplicate.verify_replicas(model))
-    torchft_draws_nothing(rank, world_size)
 
 
 class _Done:
@@ -162,6 +161,13 @@ def torchft_draws_nothing(rank: int, world_size: int) -> None:
 
 def test_every_mode_draws_nothing_from_the_users_generators(pools, tmp_path):
     pools.run(2, every_mode_draws_nothing, str(tmp_path), timeout_s=180)
+
+
+def test_replicate_ft_draws_nothing_from_the_users_generators(pools):
+    pytest.importorskip(
+        "torchft", reason="the torchft extra is not installed here (pip install torchreplicate[torchft])"
+    )
+    pools.run(2, torchft_draws_nothing)
 
 
 # -- the process left as DDP leaves it ---------------------------------------------------------------

@@ -1,13 +1,14 @@
-"""Every private torch entry point the library uses, in one place.
+"""Every private torch entry point the library uses, in one place, and the torch releases it runs on.
 
-Each has no public equivalent; each was checked on torch 2.13.0 (the
-declared minimum), with the torch versions it is known to exist in. If a
-later torch moves one, this file is the only one to change. Two reads stay
-inline on the gradient hook's hot path, where a call would double its cost,
-each with a comment naming its function here: ``PROFILER._is_profiler_enabled``
-and ``param._post_accumulate_grad_hooks`` (reducer/reducer.py). ``ReplansOnConversion``
-overrides ``nn.Module._apply``, the one method every conversion (``.to()``,
-``.double()``) goes through (compat/view.py).
+Each entry point has no public equivalent; each was checked on the releases
+of [Note: the torch range] below, with the torch versions it is known to
+exist in. If a later torch moves one, this file is the only one to change.
+Two reads stay inline on the gradient hook's hot path, where a call would
+double its cost, each with a comment naming its function here:
+``PROFILER._is_profiler_enabled`` and ``param._post_accumulate_grad_hooks``
+(reducer/reducer.py). ``ReplansOnConversion`` overrides ``nn.Module._apply``,
+the one method every conversion (``.to()``, ``.double()``) goes through
+(core/plan.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,69 @@ import atexit
 import importlib
 import sys
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree  # tree_leaves, tree_map (torch >= 2.0): tensors_in, moved_to
+
+# [Note: the torch range]
+# The library runs on torch 2.9 to 2.14 (pyproject.toml says the same):
+# scripts/torch_range.sh ran its core and DDP-comparison tests on 2.9.1,
+# 2.11.0 (on Python 3.12), 2.13.0 (the development release) and 2.14.1
+# (benchmarks/results/torch_range.json, at which commit). The floor: on 2.8.0,
+# ProcessGroup.get_group_store is missing (FEATURES has the fallback), and
+# fully_shard on a root whose child is replicated leaves the root's gradients
+# wrong, for torch's own replicate as for ours (tests/test_nested.py): never
+# silently wrong, so 2.8 is refused. On 2.6.0, 117 of 146 core tests failed.
+# What differs inside the range is in FEATURES, by feature, each with what
+# the library does without it; nothing else looks at torch's version.
+FLOOR = (2, 9)
+RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if RELEASE < FLOOR:
+    raise ImportError(
+        f"torchreplicate needs torch >= {FLOOR[0]}.{FLOOR[1]} (this is torch {torch.__version__}): "
+        "its private entry points (torchreplicate/torch_internals.py) are checked from there on; "
+        f"pip install 'torch>={FLOOR[0]}.{FLOOR[1]}'"
+    )
+
+
+class Feature(NamedTuple):
+    """A torch capability the library probes for instead of assuming it (tests/test_torch_range.py)."""
+
+    present: bool  # in the installed torch
+    since: str  # the first release that has it
+    without: str  # what the library does on a release without it
+
+
+FEATURES: dict[str, Feature] = {
+    "group_store": Feature(
+        hasattr(dist.ProcessGroup, "get_group_store"),
+        "2.9",
+        "the stall watchdog reads the group's store from distributed_c10d's group map (the same store)",
+    ),
+    "profiler_flag": Feature(
+        hasattr(torch.autograd.profiler, "_is_profiler_enabled"),
+        "1.13",
+        "the reducer records no torchreplicate:: labels in a torch.profiler trace, and trace() raises",
+    ),
+}
+
+
+def group_store(group: Any) -> Any:
+    """The store ``group`` was created with (a ``PrefixStore``), which its ranks share.
+
+    ``ProcessGroup.get_group_store()`` (pybind, torch >= 2.9, missing from the
+    stubs); on torch 2.8, ``distributed_c10d._world.pg_map[group][1]``, the
+    same store as torch registers it (private; every release of the range).
+    """
+    if FEATURES["group_store"].present:
+        return group.get_group_store()
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world.pg_map[group][1]
 
 
 def queue_end_of_backward_callback(callback: Callable[[], None]) -> None:
@@ -49,7 +106,7 @@ class _NoProfilerFlag:
 # and stop by both ``torch.profiler.profile`` and the legacy profiler; torch >=
 # 1.13), or a stand-in where a later torch drops it. The gradient hook reads
 # ``PROFILER._is_profiler_enabled`` itself (one attribute read, on the hot path).
-PROFILER: Any = torch.autograd.profiler if hasattr(torch.autograd.profiler, "_is_profiler_enabled") else _NoProfilerFlag
+PROFILER: Any = torch.autograd.profiler if FEATURES["profiler_flag"].present else _NoProfilerFlag
 
 
 def profiler_active() -> bool:

@@ -90,7 +90,7 @@ from torchreplicate.faults.roll_call import (
     start_time,
 )
 from torchreplicate.lifecycle import TrainingState
-from torchreplicate.torch_internals import group_timeout
+from torchreplicate.torch_internals import group_store, group_timeout
 
 __all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period"]
 
@@ -154,7 +154,7 @@ class StallWatch:
         self.beats = 0  # heartbeat counter, in every note
         # - The store: a clone of the group's, so the heartbeat never waits
         #   behind the main thread's store calls; short timeouts
-        base = group.get_group_store().clone()  # type: ignore[attr-defined]  # pybind, missing from the stubs
+        base = group_store(group).clone()
         base.set_timeout(timedelta(seconds=max(2.0, 2 * self.period)))
         self._store = dist.PrefixStore(f"torchreplicate/{key}/", base)
         self._group_ref = weakref.ref(group)  # stop with the process group

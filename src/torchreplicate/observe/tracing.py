@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
 from torchreplicate.reducer.probe import BucketInfo
-from torchreplicate.torch_internals import profiler_active
+from torchreplicate.torch_internals import FEATURES, profiler_active
 from torchreplicate.version import __version__
 
 logger = logging.getLogger("torchreplicate")
@@ -127,6 +127,10 @@ class Tracer:
         max_steps: Optional[int] = 1000,
     ) -> None:
         # - trace()'s arguments, refused at the call rather than at entry or exit
+        if not (flag := FEATURES["profiler_flag"]).present:
+            raise RuntimeError(
+                f"trace(): this torch has no torch.autograd.profiler._is_profiler_enabled: {flag.without}"
+            )
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"trace(): path must be a str or os.PathLike, got {type(path).__name__}")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
