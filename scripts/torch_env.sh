@@ -19,7 +19,7 @@ if ! "$python" -c 'import sys' 2>/dev/null; then  # pyenv keeps python3.X out of
 fi
 pyver=$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 env="${TORCHREPLICATE_ENVS:-$HOME/.cache/torchreplicate/envs}/torch-$version-py$pyver"
-tools=(pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.27 numpy setuptools)
+tools=(pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.27 numpy "setuptools>=77")
 pip=(-m pip install --quiet --disable-pip-version-check)
 stamp="torch==$version ${tools[*]}"
 if [ "$(cat "$env/.torchreplicate-range" 2>/dev/null || true)" != "$stamp" ]; then
@@ -32,7 +32,8 @@ if [ "$(cat "$env/.torchreplicate-range" 2>/dev/null || true)" != "$stamp" ]; th
   while IFS= read -r arg; do index_args+=("$arg"); done \
     < <(torch_index_args "$gpu" "${TORCH_INDEX_URL+yes}" "${TORCH_INDEX_URL-}")
   "$env/bin/python" "${pip[@]}" "${index_args[@]}" "torch==$version" >&2
-  "$env/bin/python" "${pip[@]}" . "${tools[@]}" >&2  # the package with its dependencies: torch stays
+  "$env/bin/python" "${pip[@]}" "${tools[@]}" >&2  # setuptools first: the package's build needs >= 77
+  "$env/bin/python" "${pip[@]}" . >&2  # the package with its dependencies: torch stays as it is
   have=$("$env/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
   [ "$have" = "$version" ] || { echo "torch_env.sh: installing the package moved torch to $have" >&2; exit 1; }
   echo "$stamp" > "$env/.torchreplicate-range"

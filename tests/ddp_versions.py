@@ -43,12 +43,19 @@ def skip_unless_ddp_has(*names: str) -> None:
 
 
 def ddp_213(module: nn.Module, **arguments: Any) -> DDP:
-    """``DDP(module, **arguments)`` as DDP 2.13 reads them: ``forward_sync_buffers`` given to an older DDP
-    is its ``broadcast_buffers`` (2.13 ignores ``broadcast_buffers`` when both are given)."""
-    if not HAS_FORWARD_SYNC_BUFFERS and "forward_sync_buffers" in arguments:
-        value = arguments.pop("forward_sync_buffers")
-        arguments["broadcast_buffers"] = arguments.get("broadcast_buffers", True) if value is None else value
-    return DDP(module, **arguments)
+    """``DDP(module, **arguments)`` as DDP 2.13 reads them, on a DDP without ``forward_sync_buffers``.
+
+    2.13 (distributed.py, ``__init__``): ``forward_sync_buffers`` given wins over ``broadcast_buffers``
+    and the buffers are still broadcast at construction; only the forwards follow it. On an older
+    DDP: construct with ``broadcast_buffers=True`` (the construction's broadcast), then set the
+    attribute, which the forwards read.
+    """
+    forward_sync = arguments.pop("forward_sync_buffers", None)
+    if HAS_FORWARD_SYNC_BUFFERS or forward_sync is None:
+        return DDP(module, **arguments, **({} if forward_sync is None else {"forward_sync_buffers": forward_sync}))
+    wrapped = DDP(module, **{**arguments, "broadcast_buffers": True})
+    wrapped.broadcast_buffers = forward_sync
+    return wrapped
 
 
 def ddp_attribute(wrapped: DDP, name: str) -> Any:
@@ -73,7 +80,8 @@ def run_as_ddp_213(wrapped: DDP, *inputs: Any) -> Any:
     rank 0 happens here, as 2.13's ``_sync_buffers`` does it (inside
     ``torch.autograd._unsafe_preserve_version_counter``; a broadcast per
     buffer gives the bits of DDP's coalesced one), and DDP's own is skipped
-    for this forward (``require_forward_param_sync``). Join is not handled.
+    for this forward (``require_forward_param_sync``, which DDP's
+    ``_post_forward`` sets again after every forward). Join is not handled.
     """
     if PRESERVES_BUFFER_VERSIONS or not wrapped.will_sync_module_buffers():
         return wrapped(*inputs)
@@ -81,8 +89,5 @@ def run_as_ddp_213(wrapped: DDP, *inputs: Any) -> Any:
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
         for buffer in buffers:
             dist.broadcast(buffer, 0, group=wrapped.process_group)
-    wrapped.require_forward_param_sync = False
-    try:
-        return wrapped(*inputs)
-    finally:
-        wrapped.require_forward_param_sync = True
+    wrapped.require_forward_param_sync = False  # DDP's post-forward sets it again, as after every forward
+    return wrapped(*inputs)

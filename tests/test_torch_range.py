@@ -71,6 +71,15 @@ def test_every_recorded_end_passed_both_subsets():
         assert passed >= 250, f"torch {release}: only {passed} tests passed"
 
 
+def test_the_same_seed_gives_the_same_bits_where_torchs_kernels_agree():
+    bits = {release: run["seeded_bits"] for release, run in record()["runs"].items()}
+    assert set(ENDS) <= set(bits)
+    for a in bits:
+        for b in bits:
+            if bits[a]["one_process"] == bits[b]["one_process"]:  # torch's own kernels give the same bits
+                assert bits[a]["replicated_3_ranks"] == bits[b]["replicated_3_ranks"], f"torch {a} and {b}"
+
+
 def test_the_floor_refuses_an_older_torch_by_name():
     code = "import torch; torch.__version__ = '2.8.0+cu128'; import torchreplicate"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
