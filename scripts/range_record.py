@@ -31,13 +31,16 @@ from torch import nn
 ADAPTER = Path("src/torchreplicate/torch_internals.py")
 
 
-def outcomes(junit: Path) -> dict[str, str]:
-    """``{test id: passed | failed | skipped | xfailed | xpassed}`` from pytest's JUnit XML."""
-    found = {}
+def outcomes(junit: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """``{test id: passed | failed | skipped | xfailed}`` from pytest's JUnit XML, and why each not passed."""
+    found, why = {}, {}
     for case in ET.parse(junit).iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         test_id = f"{module}.py::{case.get('name')}"
         kinds = {child.tag: child for child in case}
+        for tag in ("failure", "error", "skipped"):
+            if tag in kinds:
+                why[test_id] = (kinds[tag].get("message") or "")[:300]
         if "failure" in kinds or "error" in kinds:
             found[test_id] = "failed"
         elif "skipped" in kinds:
@@ -45,7 +48,7 @@ def outcomes(junit: Path) -> dict[str, str]:
             found[test_id] = "xfailed" if expected else "skipped"
         else:
             found[test_id] = "passed"
-    return found
+    return found, why
 
 
 def mlp() -> nn.Module:
@@ -95,7 +98,7 @@ def git(*args: str) -> str:
 
 
 def main(record: Path, junit: Path, python: str) -> None:
-    tests = outcomes(junit)
+    tests, reasons = outcomes(junit)
     counts = {kind: sum(1 for o in tests.values() if o == kind) for kind in sorted(set(tests.values()))}
     entry = {
         "torch": torch.__version__,
@@ -109,6 +112,7 @@ def main(record: Path, junit: Path, python: str) -> None:
         "counts": counts,
         "seeded_bits": seeded_bits(Path(tempfile.mkdtemp())),
         "tests": dict(sorted(tests.items())),
+        "reasons": dict(sorted(reasons.items())),
     }
     data = json.loads(record.read_text()) if record.exists() else {"runs": {}}
     data["command"] = "bash scripts/torch_range.sh VERSION[:PYTHON] ..."
