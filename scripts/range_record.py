@@ -35,8 +35,8 @@ def outcomes(junit: Path) -> tuple[dict[str, str], dict[str, str]]:
     """``{test id: passed | failed | skipped | xfailed}`` from pytest's JUnit XML, and why each not passed."""
     found, why = {}, {}
     for case in ET.parse(junit).iter("testcase"):
-        module = case.get("classname", "").replace(".", "/")
-        test_id = f"{module}.py::{case.get('name')}"
+        module = case.get("classname", "").replace(".", "/")  # empty where a whole module skipped at collection
+        test_id = f"{module}.py::{case.get('name')}" if module else f"{case.get('name')} (the module)"
         kinds = {child.tag: child for child in case}
         for tag in ("failure", "error", "skipped"):
             if tag in kinds:
