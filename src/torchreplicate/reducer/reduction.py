@@ -358,9 +358,7 @@ class HookReduction(Reduction):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            pieces = zeros.split([view.numel() for view in bucket.views])
-            views = [piece.view_as(view) for piece, view in zip(pieces, bucket.views, strict=True)]
-            future = self.hook(self.state, self._grad_bucket(index, zeros, views))
+            future = self.hook(self.state, self._grad_bucket(index, zeros, bucket.pieces(zeros)))
         if future is not None:
             future.wait()
 
