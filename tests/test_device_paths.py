@@ -8,6 +8,8 @@ and that NCCL's missing sparse all-reduce is refused at ``replicate()``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,3 +78,38 @@ def forward_sees_moved_inputs(rank: int, world_size: int) -> str:
 
 def test_the_forward_hook_moves_inputs_to_the_input_device(pools):
     assert pools.run(1, forward_sees_moved_inputs) == ["cpu cpu meta meta"]
+
+
+def test_object_gathers_run_with_the_modules_gpu_current(monkeypatch):
+    # dist.all_gather_object serializes onto torch.cuda.current_device() on NCCL: every object gather of
+    # ours (errors, set-up check, verify_replicas, trace) makes the module's device current while it runs
+    from torchreplicate import errors
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: seen.append(device) or contextlib.nullcontext())
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group: out.__setitem__(slice(None), [obj, obj]))
+    assert errors.gather_objects("mine", None, torch.device("cuda", 3)) == ["mine", "mine"]
+    assert seen == [torch.device("cuda", 3)]
+    assert errors.gather_objects("mine", None, torch.device("cpu")) == ["mine", "mine"]
+    assert seen == [torch.device("cuda", 3)], "no device made current for a CPU module"
+
+
+def test_the_staged_flags_record_on_their_own_devices_stream(monkeypatch):
+    from torchreplicate.reducer import flags
+
+    streams = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: streams.append(device) or "stream")
+
+    class FakeEvent:
+        def __init__(self, device):
+            self.device = device
+
+        def record(self, stream):
+            self.stream = stream
+
+    staged = flags.StagedSums(torch.device("cpu"))
+    device = torch.device("meta")  # as on an accelerator (pinned host memory needs one): the event path
+    staged.device, staged.event, staged.host = device, FakeEvent(device), torch.zeros(flags._STAGED_WIDTH)
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())
+    assert streams == [torch.device("meta")] and staged.event.stream == "stream"

@@ -219,6 +219,7 @@ class StagedSums:
         self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated) if accelerated else None
         self.values: Any = None if self.host is None else self.host.numpy()  # read as host memory
         self.event: Optional[torch.Event] = torch.Event(device) if accelerated else None
+        self.device = device
         self.work: Any = None  # on the host: the staged step's all-reduce, waited at the check
         self.step = -1  # the step staged; -1: none
         self.clock = 0
@@ -245,7 +246,7 @@ class StagedSums:
             if work is not None:
                 wait_for(work, waiter)  # on an accelerator: the stream waits, not the host
             self.host.copy_(rest, non_blocking=True)
-            self.event.record()
+            self.event.record(torch.accelerator.current_stream(self.device))  # the flags' device, not the current
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
     def settle(self) -> None:
@@ -281,19 +282,24 @@ class StagedSums:
         else:
             self.settle()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
-        raise_on_desync(rest, group, self.clock, layout_digest, step)
+        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step)
         if rest[0] > 0:
             raise late_after_learning(dist.get_rank(group()), step, round(rest[0]), self.late_params)
 
 
 def raise_on_desync(
-    rest: Sequence[float], group: Callable[[], dist.ProcessGroup], clock: int, layout_digest: int, step: int
+    rest: Sequence[float],
+    group: Callable[[], dist.ProcessGroup],
+    device: torch.device,
+    clock: int,
+    layout_digest: int,
+    step: int,
 ) -> None:
     """Raises, on every rank, when the summed residues in ``rest`` (the flags after the parameters'
     counts) say the ranks disagree ([Note: desync detection]); ``group`` is called only to raise."""
     clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
     if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
-        raise desync_error(group(), clock, layout_digest, step, clocks_agree)
+        raise desync_error(group(), device, clock, layout_digest, step, clocks_agree)
 
 
 class StepFlags:
@@ -364,7 +370,7 @@ class StepFlags:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
         """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
-        raise_on_desync(rest, group, self.clock.steps, self.layout_digest, step)
+        raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step)
         return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
 
     def stage(
