@@ -33,17 +33,40 @@ def test_sparse_gradients_are_refused_on_nccl_only():
 
 
 def test_nccl_collectives_run_on_the_modules_gpu_not_the_current_device(monkeypatch):
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     plan = plan_of(nn.Linear(4, 2))
     # device_id names the GPU: never torch.cuda.current_device() (cuda:0 on every rank without set_device)
     assert setup.collective_device(object(), plan, torch.device("cuda", 3)) == torch.device("cuda", 3)
 
 
-def test_other_backends_use_the_modules_device(monkeypatch):
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+@pytest.mark.parametrize("config", ["cpu:gloo,cuda:gloo", "cpu:gloo", "cpu:gloo,cuda:nccl"])
+def test_a_group_that_runs_cpu_tensors_uses_the_modules_device(monkeypatch, config):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
     assert setup.collective_device(object(), plan_of(nn.Linear(4, 2)), None) == torch.device("cpu")
     meta = nn.Linear(4, 2, device="meta")
     assert setup.collective_device(object(), plan_of(meta), None) == torch.device("meta")
+
+
+def test_the_backend_is_read_per_device_type_from_the_group():
+    # dist.get_backend() is the whole spec for a group made with one ("cpu:gloo"): compared with "gloo",
+    # the watchdog took such a group for NCCL; the config names one backend per device type
+    from torchreplicate.config import backend_of
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert backend_of(None, "cpu") == "gloo"
+        group = dist.new_group([0], backend="cpu:gloo")
+        assert dist.get_backend(group) == "cpu:gloo" and backend_of(group, "cpu") == "gloo"
+        assert backend_of(group, "cuda") == ""
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sparse_gradients_are_refused_where_their_device_runs_nccl(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    sparse = plan_of(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    assert setup.sparse_backend(object(), sparse) == "gloo"  # on the CPU: gloo reduces them
+    assert setup.sparse_backend(object(), plan_of(nn.Linear(4, 2))) == ""
 
 
 def test_inputs_follow_device_id_through_nested_containers():
@@ -113,3 +136,15 @@ def test_the_staged_flags_record_on_their_own_devices_stream(monkeypatch):
     staged.device, staged.event, staged.host = device, FakeEvent(device), torch.zeros(flags._STAGED_WIDTH)
     staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())
     assert streams == [torch.device("meta")] and staged.event.stream == "stream"
+
+
+def watch_on_a_cpu_gloo_group(rank, world_size):
+    from torchreplicate import replicate
+
+    group = dist.new_group(backend="cpu:gloo")
+    model = replicate(nn.Linear(4, 2), process_group=group)
+    return replicate.state(model).probe.watch.sliced
+
+
+def test_the_watchdog_slices_its_waits_on_a_group_made_with_cpu_gloo(pools):
+    assert pools.run(2, watch_on_a_cpu_gloo_group) == [True, True]
