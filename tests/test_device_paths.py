@@ -148,3 +148,21 @@ def watch_on_a_cpu_gloo_group(rank, world_size):
 
 def test_the_watchdog_slices_its_waits_on_a_group_made_with_cpu_gloo(pools):
     assert pools.run(2, watch_on_a_cpu_gloo_group) == [True, True]
+
+
+def test_cuda_graph_capture_is_refused_before_any_collective(monkeypatch):
+    from torchreplicate import replicate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = replicate(nn.Linear(4, 2))
+        model(torch.randn(3, 4)).sum().backward()  # uncaptured: trains
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        model(torch.randn(3, 4))  # a CPU module: nothing to capture, nothing refused
+        replicate.state(model).device = torch.device("cuda", 0)  # as on a GPU, under torch.cuda.graph
+        with pytest.raises(RuntimeError, match=r"^replicate\(\): a forward of the replicated Linear ran under CUDA"):
+            model(torch.randn(3, 4))
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # an evaluation runs no collective: not refused
+    finally:
+        dist.destroy_process_group()

@@ -306,6 +306,16 @@ def compiled_hook_error() -> RuntimeError:
     )
 
 
+def graph_capture_error(model: str) -> RuntimeError:
+    """The error for a forward under CUDA-graph capture (raised before its collectives, on every rank)."""
+    return RuntimeError(
+        f"replicate(): a forward of the replicated {model} ran under CUDA-graph capture (torch.cuda.graph, "
+        "make_graphed_callables, or torch.compile's mode='reduce-overhead'), which replicate() does not "
+        "support: its reducer launches collectives from gradient hooks and reads their flags on the host; "
+        "run the replicated step uncaptured (torch.compile's default mode captures nothing)"
+    )
+
+
 # -- What torch's own replicate (the seed) and DDP's constructor say when they refuse ---
 #
 # What torch's own ``replicate`` (the seed) and DDP's constructor say when they refuse.
