@@ -323,6 +323,7 @@ class StepFlags:
         self.num_params, self.clock, self.layout_digest = num_params, clock, layout_digest
         self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
         self.turn = 0  # the tensor this step writes and sums
+        self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}  # unused parameters' indices, by pattern
         # on the host, each tensor's sums a step late, as NumPy views made once (no tensor read in a step)
         self.host_views = [t[num_params:].numpy() for t in self.tensors] if device.type == "cpu" else [None, None]
         # An ordinary step: a gradient for every parameter, nothing late; the
@@ -336,6 +337,20 @@ class StepFlags:
         # host-to-device copy in the step (on a GPU, a synchronisation from pageable memory)
         rows = [one_hot_residues(value) for value in range(_PERIOD)]
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
+
+    def indices(self, unused_here: Sequence[int]) -> torch.Tensor:
+        """``unused_here`` as an index tensor on the flags' device, made once per pattern (the last 8 kept):
+        a steady step's pattern repeats, and a copy from pageable host memory would stop the host on a GPU
+        (a new pattern's goes from pinned memory, without waiting)."""
+        key = tuple(unused_here)
+        if (found := self.index_cache.get(key)) is None:
+            if len(self.index_cache) >= 8:
+                del self.index_cache[next(iter(self.index_cache))]
+            host = torch.tensor(key, dtype=torch.long)
+            device = self.tail.device
+            found = host.to(device) if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+            self.index_cache[key] = found
+        return found
 
     @property
     def tail(self) -> torch.Tensor:
@@ -352,7 +367,7 @@ class StepFlags:
         at = self.num_params + 1
         tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
         if unused_here:
-            tail[torch.tensor(unused_here, device=tail.device)] = 0
+            tail[self.indices(unused_here)] = 0
         if late:
             tail[self.num_params] = 1
         # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
@@ -402,6 +417,5 @@ class StepFlags:
         """Of ``unused_here`` (this rank holds no gradient for them), those no rank used."""
         if not unused_here:  # used here means used somewhere
             return frozenset()
-        tail = self.tail
-        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
+        counts = self.tail[self.indices(unused_here)].tolist()  # the one read: which parameters no rank used
         return frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)
