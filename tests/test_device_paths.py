@@ -8,6 +8,8 @@ and that NCCL's missing sparse all-reduce is refused at ``replicate()``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,17 +33,40 @@ def test_sparse_gradients_are_refused_on_nccl_only():
 
 
 def test_nccl_collectives_run_on_the_modules_gpu_not_the_current_device(monkeypatch):
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     plan = plan_of(nn.Linear(4, 2))
     # device_id names the GPU: never torch.cuda.current_device() (cuda:0 on every rank without set_device)
     assert setup.collective_device(object(), plan, torch.device("cuda", 3)) == torch.device("cuda", 3)
 
 
-def test_other_backends_use_the_modules_device(monkeypatch):
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+@pytest.mark.parametrize("config", ["cpu:gloo,cuda:gloo", "cpu:gloo", "cpu:gloo,cuda:nccl"])
+def test_a_group_that_runs_cpu_tensors_uses_the_modules_device(monkeypatch, config):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
     assert setup.collective_device(object(), plan_of(nn.Linear(4, 2)), None) == torch.device("cpu")
     meta = nn.Linear(4, 2, device="meta")
     assert setup.collective_device(object(), plan_of(meta), None) == torch.device("meta")
+
+
+def test_the_backend_is_read_per_device_type_from_the_group():
+    # dist.get_backend() is the whole spec for a group made with one ("cpu:gloo"): compared with "gloo",
+    # the watchdog took such a group for NCCL; the config names one backend per device type
+    from torchreplicate.config import backend_of
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert backend_of(None, "cpu") == "gloo"
+        group = dist.new_group([0], backend="cpu:gloo")
+        assert dist.get_backend(group) == "cpu:gloo" and backend_of(group, "cpu") == "gloo"
+        assert backend_of(group, "cuda") == ""
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sparse_gradients_are_refused_where_their_device_runs_nccl(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+    sparse = plan_of(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    assert setup.sparse_backend(object(), sparse) == "gloo"  # on the CPU: gloo reduces them
+    assert setup.sparse_backend(object(), plan_of(nn.Linear(4, 2))) == ""
 
 
 def test_inputs_follow_device_id_through_nested_containers():
@@ -76,3 +101,68 @@ def forward_sees_moved_inputs(rank: int, world_size: int) -> str:
 
 def test_the_forward_hook_moves_inputs_to_the_input_device(pools):
     assert pools.run(1, forward_sees_moved_inputs) == ["cpu cpu meta meta"]
+
+
+def test_object_gathers_run_with_the_modules_gpu_current(monkeypatch):
+    # dist.all_gather_object serializes onto torch.cuda.current_device() on NCCL: every object gather of
+    # ours (errors, set-up check, verify_replicas, trace) makes the module's device current while it runs
+    from torchreplicate import errors
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: seen.append(device) or contextlib.nullcontext())
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group: out.__setitem__(slice(None), [obj, obj]))
+    assert errors.gather_objects("mine", None, torch.device("cuda", 3)) == ["mine", "mine"]
+    assert seen == [torch.device("cuda", 3)]
+    assert errors.gather_objects("mine", None, torch.device("cpu")) == ["mine", "mine"]
+    assert seen == [torch.device("cuda", 3)], "no device made current for a CPU module"
+
+
+def test_the_staged_flags_record_on_their_own_devices_stream(monkeypatch):
+    from torchreplicate.reducer import flags
+
+    streams = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: streams.append(device) or "stream")
+
+    class FakeEvent:
+        def __init__(self, device):
+            self.device = device
+
+        def record(self, stream):
+            self.stream = stream
+
+    staged = flags.StagedSums(torch.device("cpu"))
+    device = torch.device("meta")  # as on an accelerator (pinned host memory needs one): the event path
+    staged.device, staged.event, staged.host = device, FakeEvent(device), torch.zeros(flags._STAGED_WIDTH)
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())
+    assert streams == [torch.device("meta")] and staged.event.stream == "stream"
+
+
+def watch_on_a_cpu_gloo_group(rank, world_size):
+    from torchreplicate import replicate
+
+    group = dist.new_group(backend="cpu:gloo")
+    model = replicate(nn.Linear(4, 2), process_group=group)
+    return replicate.state(model).probe.watch.sliced
+
+
+def test_the_watchdog_slices_its_waits_on_a_group_made_with_cpu_gloo(pools):
+    assert pools.run(2, watch_on_a_cpu_gloo_group) == [True, True]
+
+
+def test_cuda_graph_capture_is_refused_before_any_collective(monkeypatch):
+    from torchreplicate import replicate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = replicate(nn.Linear(4, 2))
+        model(torch.randn(3, 4)).sum().backward()  # uncaptured: trains
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        model(torch.randn(3, 4))  # a CPU module: nothing to capture, nothing refused
+        replicate.state(model).device = torch.device("cuda", 0)  # as on a GPU, under torch.cuda.graph
+        with pytest.raises(RuntimeError, match=r"^replicate\(\): a forward of the replicated Linear ran under CUDA"):
+            model(torch.randn(3, 4))
+        with torch.no_grad():
+            model(torch.randn(3, 4))  # an evaluation runs no collective: not refused
+    finally:
+        dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh refuses, loudly, where no GPU is visible (it never skips its checks)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,3 +22,40 @@ def test_gpu_check_fails_without_a_gpu():
     )
     assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
     assert "gpu_check: FAILED: no CUDA GPU is visible" in done.stdout, done.stdout
+
+
+def run_script(*args, out):
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), *args],
+        env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_dry_run_lists_every_check_within_the_budget_and_runs_the_cpu_preflight(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_check
+
+    done = run_script("--dry-run", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for check in gpu_check.CHECKS:
+        assert f"check {check.name}: {check.limit_s} s" in done.stdout
+    assert gpu_check.PREFLIGHT_S + sum(c.limit_s for c in gpu_check.CHECKS) <= gpu_check.BUDGET_S < 300
+    assert "PASS preflight" in done.stdout and "one gloo all-reduce" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json", "tracebacks.txt"]
+    assert json.loads((tmp_path / "summary.json").read_text())["results"][0]["ok"] is True
+    assert run_script("--dry-run", "no_such_check", out=tmp_path).returncode == 2
+
+
+def test_a_failing_or_stuck_check_gives_its_errors_last_line_and_is_killed_at_its_limit():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_check
+
+    ok, line, trace = gpu_check.in_own_process(["--one", "preflight:no_such_backend"], 60)
+    assert not ok and "no_such_backend" in line and "\n" not in line
+    assert "Traceback (most recent call last)" in trace  # the whole traceback goes to tracebacks.txt
+    ok, line, _ = gpu_check.in_own_process(["--one", "preflight:gloo"], 1)  # importing torch takes longer
+    assert not ok and line == "timed out after 1 s (killed)"
+    assert gpu_check.last_line("Traceback ...\n  File x\nValueError: the point\n\n") == "ValueError: the point"

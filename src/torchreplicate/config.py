@@ -207,6 +207,18 @@ def _is_positive_finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+def backend_of(group: dist.ProcessGroup, device_type: str) -> str:
+    """The backend ``group`` runs ``device_type`` tensors on ("gloo", "nccl", ...; "" where it runs none).
+
+    Read from torch's ``dist.get_backend_config``, which names one backend per
+    device type ("cpu:gloo,cuda:nccl"), not by comparing ``dist.get_backend``'s
+    string, which is the whole spec for a group made with one ("cpu:gloo").
+    """
+    config = dist.get_backend_config(group)
+    per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return per_device.get(device_type, "") if per_device else config
+
+
 def resolve_group(process_group: object, mesh: object, option: str = "mesh") -> Optional[dist.ProcessGroup]:
     """The group ``replicate(process_group=..., mesh=...)`` averages over (None: the world).
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -73,8 +75,27 @@ class DesyncReport(NamedTuple):
     layout_digest: int
 
 
+def gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+    """``dist.all_gather_object`` of ``obj`` with ``device`` as the current CUDA device while it runs.
+
+    On NCCL, torch serializes the objects onto ``torch.cuda.current_device()``,
+    which without the user's ``torch.cuda.set_device`` is cuda:0 on every rank
+    ("Duplicate GPU detected", or a hang); here the module's device decides,
+    and the current device is as it was after.
+    """
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def desync_error(
-    group: dist.ProcessGroup, clock: int, layout_digest: int, backward: int, clocks_agree: bool
+    group: dist.ProcessGroup,
+    device: torch.device,
+    clock: int,
+    layout_digest: int,
+    backward: int,
+    clocks_agree: bool,
 ) -> RuntimeError:
     """The error every rank raises once the flags said the ranks disagree.
 
@@ -83,14 +104,14 @@ def desync_error(
 
     Args:
         group: the module's process group.
+        device: where the module's collectives run (the flags' device).
         clock: this rank's training clock.
         layout_digest: this rank's bucket layout digest.
         backward: synchronised backwards this rank completed before this one.
         clocks_agree: whether the training clocks agreed (else the layouts differ).
     """
     mine = DesyncReport(dist.get_rank(group), clock, layout_digest)
-    reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, mine, group=group)
+    reports = gather_objects(mine, group, device)
     return RuntimeError(format_desync(reports, mine.rank, backward, clocks_agree))
 
 
@@ -282,6 +303,16 @@ def compiled_hook_error() -> RuntimeError:
         "replicate(): a comm hook cannot run under compiled autograd (the backward is one traced "
         "graph: no futures, no per-bucket calls); turn torch._dynamo.config.compiled_autograd off, "
         "or drop the hook (replicate(reduce_dtype=...) sends the gradients in a lower precision)"
+    )
+
+
+def graph_capture_error(model: str) -> RuntimeError:
+    """The error for a forward under CUDA-graph capture (raised before its collectives, on every rank)."""
+    return RuntimeError(
+        f"replicate(): a forward of the replicated {model} ran under CUDA-graph capture (torch.cuda.graph, "
+        "make_graphed_callables, or torch.compile's mode='reduce-overhead'), which replicate() does not "
+        "support: its reducer launches collectives from gradient hooks and reads their flags on the host; "
+        "run the replicated step uncaptured (torch.compile's default mode captures nothing)"
     )
 
 

@@ -128,7 +128,7 @@ def broadcast_coalesced(
     src_rank: int = 0,
     waiter: Optional[Waiter] = None,
 ) -> None:
-    """Broadcasts tensors from ``src_rank`` in one collective per device.
+    """Broadcasts tensors from ``src_rank`` in one collective per device and 250 MiB (DDP's chunk at set-up).
 
     Tensors of every dtype travel together as bytes, so a BatchNorm's float
     statistics and its int64 counter cost one broadcast, not two.
@@ -145,7 +145,7 @@ def broadcast_coalesced(
     for tensor in tensors:
         by_device.setdefault(tensor.device, []).append(tensor.detach())
     src = dist.get_global_rank(group, src_rank)
-    for members in by_device.values():
+    for members in (chunk for on_device in by_device.values() for chunk in _chunks(on_device)):
         flat = _pack_bytes(members)
         wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
         offset = 0
@@ -157,6 +157,22 @@ def broadcast_coalesced(
 
 
 _ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
+CHUNK_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size at set-up (distributed.py, _sync_module_states)
+
+
+def _chunks(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, in runs of at most ``CHUNK_BYTES`` packed (a larger tensor alone): the packed
+    copy a broadcast needs stays under DDP's bucket, not the size of the model."""
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = _padded(tensor.numel() * tensor.element_size())
+        if chunks[-1] and size + nbytes > CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(tensor)
+        size += nbytes
+    return chunks
 
 
 def _padded(nbytes: int) -> int:

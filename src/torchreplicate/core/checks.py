@@ -6,12 +6,12 @@ at the same point on every rank, so each rank launches the same collectives.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, cast
+from typing import Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
-from torchreplicate.errors import format_option_mismatch, format_param_mismatch
+from torchreplicate.errors import format_option_mismatch, format_param_mismatch, gather_objects
 from torchreplicate.reducer.dtensors import describe_placement
 from torchreplicate.reducer.flags import digest
 from torchreplicate.reducer.reduction import Waiter, wait_for
@@ -71,8 +71,7 @@ def verify_params_across_ranks(
     wait_for(cast(dist.Work, dist.all_gather(gathered, local, group=group, async_op=True)), waiter)
     if len({int(t.item()) for t in gathered}) == 1:
         return
-    per_rank: list[Any] = [None] * world_size
-    dist.all_gather_object(per_rank, (description, options), group=group)
+    per_rank = gather_objects((description, options), group, device)
     rank = dist.get_rank(group)
     option_message = format_option_mismatch([o for _, o in per_rank], rank)
     raise RuntimeError(option_message or format_param_mismatch([d for d, _ in per_rank], rank))

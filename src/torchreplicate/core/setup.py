@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchreplicate.config import ReplicateConfig
+from torchreplicate.config import ReplicateConfig, backend_of
 from torchreplicate.core.buffers import broadcast_coalesced
 from torchreplicate.core.checks import verify_params_across_ranks
 from torchreplicate.core.nested import is_fully_sharded
@@ -71,13 +71,14 @@ def process_group(given: Optional[WeakGroup]) -> WeakGroup:
 def collective_device(group: dist.ProcessGroup, plan: Plan, device_id: Optional[torch.device]) -> torch.device:
     """Where a module's own small collectives run (the cross-rank check, the token, Join's rounds).
 
-    NCCL's on the module's GPU: ``device_id``, else the GPU of a parameter or
-    buffer, and only where the module has none, the current device (without
-    ``torch.cuda.set_device`` every rank's current device is cuda:0). Other
-    backends: the device of the module's tensors.
+    A group that runs CPU tensors (gloo, or gloo beside NCCL): the device of
+    the module's tensors. NCCL alone: the module's GPU, ``device_id``, else
+    the GPU of a parameter or buffer, and only where the module has none, the
+    current device (without ``torch.cuda.set_device`` every rank's current
+    device is cuda:0).
     """
     tensors = [local(tensor) for tensor in (*plan.candidates, *plan.buffer_values())]
-    if dist.get_backend(group) == "nccl":
+    if not backend_of(group, "cpu"):
         if device_id is not None and device_id.type == "cuda":
             return device_id if device_id.index is not None else torch.device("cuda", torch.cuda.current_device())
         on_gpu = [tensor.device for tensor in tensors if tensor.is_cuda]
@@ -95,7 +96,13 @@ def refuse_unreducible(plan: Plan, group: dist.ProcessGroup, reduces: bool) -> N
     for name, param in zip(plan.candidate_names, plan.candidates, strict=True):
         check_mesh_apart(name, param, group)
     if reduces:
-        refuse_sparse_on(dist.get_backend(group), plan)
+        refuse_sparse_on(sparse_backend(group, plan), plan)
+
+
+def sparse_backend(group: dist.ProcessGroup, plan: Plan) -> str:
+    """The backend ``group`` runs the plan's sparse gradients on (their device's; "" without any)."""
+    device = next((p.device for p in plan.params if id(p) in plan.sparse), None)
+    return "" if device is None else backend_of(group, device.type)
 
 
 def refuse_sparse_on(backend: str, plan: Plan) -> None:
@@ -159,7 +166,7 @@ def start_watch(
     """The stall watchdog, keyed by the broadcast ``token``; None at world size 1 or with ``stall_timeout=None``."""
     if dist.get_world_size(group) == 1 or stall_timeout_s is None:
         return None
-    return StallWatch(group, stall_timeout_s, key=f"{group.group_name}/{int(token)}")
+    return StallWatch(group, stall_timeout_s, key=f"{group.group_name}/{int(token)}", device_type=token.device.type)
 
 
 def tied_uses(root: nn.Module, reducer: Optional[Reducer], lifecycle: Lifecycle) -> Optional[TiedUses]:
@@ -198,7 +205,7 @@ def build_reducer(
     Raises:
         ValueError: a parameter carries a post-accumulate-grad hook of its own.
     """
-    refuse_sparse_on(dist.get_backend(group), plan)  # also where a comm hook asks for a reducer at world size 1
+    refuse_sparse_on(sparse_backend(group, plan), plan)  # also where a comm hook asks for a reducer at world size 1
     learned = learned or Learned({}, 0)
     slots = make_slots(plan.params, plan.names, learned.expected)
     dense = [slot for slot in slots if id(slot.param) not in plan.sparse]

@@ -41,7 +41,7 @@ from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
 from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
-from torchreplicate.errors import compiled_hook_error, ddp_on_top_error
+from torchreplicate.errors import compiled_hook_error, ddp_on_top_error, graph_capture_error
 from torchreplicate.faults.place import Collective, Place
 from torchreplicate.faults.watchdog import diagnosing
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
@@ -424,6 +424,8 @@ class ReplicateState:
         # collective, so one rank may evaluate alone ([Note: re-planning]).
         if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise graph_capture_error(class_name(self.module))  # before any collective, never half captured
         buffer_source = 0
         if self.joining:  # inside a Join context ([Note: join] in join.py)
             buffer_source = self.join_hook.training_round().source

@@ -79,6 +79,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from torchreplicate.config import backend_of
 from torchreplicate.faults.place import Place
 from torchreplicate.faults.roll_call import (
     Note,
@@ -127,16 +128,17 @@ class StallWatch:
         group: the module's process group (its store carries the notes).
         timeout_s: ``stall_timeout`` in seconds.
         key: a name unique to this module in this run, equal on every rank.
+        device_type: where the module's collectives run ("cpu", "cuda"): which of the group's backends waits.
     """
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float, key: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, key: str, device_type: str = "cpu") -> None:
         # - Configuration
         self.timeout_s = timeout_s  # the first look at the peers, then at doubling intervals
         self.group_timeout_s = group_timeout(group)  # when the backend ends a collective (init_process_group)
         # Waits in slices on gloo only, where Work.wait blocks the CPU and a timed wait leaves the
         # operation unharmed (measured, torch 2.13). NCCL's wait only orders the stream (the CPU
         # never waits there), and its timed wait may abort the communicator: plain waits.
-        self.sliced = dist.get_backend(group) == "gloo"
+        self.sliced = backend_of(group, device_type) == "gloo"
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats

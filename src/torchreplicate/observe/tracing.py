@@ -36,6 +36,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
+from torchreplicate.errors import gather_objects
 from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
 from torchreplicate.reducer.probe import BucketInfo
 from torchreplicate.torch_internals import FEATURES, profiler_active
@@ -200,8 +201,7 @@ class Tracer:
             # Another rank may be elsewhere (or dead): no collective, this rank's file only.
             self._write_own_file(rank)
             return None
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, self.events, group=group)
+        gathered = gather_objects(self.events, group, state.device)
         if rank == 0:
             self._write_files(gathered)
         return None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.core.registry import get_state
+from torchreplicate.errors import gather_objects
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import digest
 
@@ -193,7 +194,7 @@ def verify_replicas(
     dist.all_gather(gathered, mine, group=group)
     table = [row.tolist() for row in gathered]  # [rank][1 + tensor]
     if len({row[0] for row in table}) > 1:
-        mismatches: tuple[Mismatch, ...] = (_different_lists(entries, table, group),)
+        mismatches: tuple[Mismatch, ...] = (_different_lists(entries, table, group, device),)
     else:
         differing = [i for i in range(len(entries)) if len({row[1 + i] for row in table}) > 1]
         mismatches = _explain(entries, differing, table, group, device) if differing else ()
@@ -234,11 +235,12 @@ def _entries(model: nn.Module, plan: Any, *, grads: bool, buffers: bool) -> list
     return entries
 
 
-def _different_lists(entries: Sequence[_Entry], table: list[list[int]], group: dist.ProcessGroup) -> Mismatch:
+def _different_lists(
+    entries: Sequence[_Entry], table: list[list[int]], group: dist.ProcessGroup, device: torch.device
+) -> Mismatch:
     # The ranks compare different tensors (names, shapes or dtypes): gather the lists to say where.
     mine = [(e.kind, e.name, e.shape, str(e.dtype)) for e in entries]
-    lists: list[Any] = [None] * len(table)
-    dist.all_gather_object(lists, mine, group=group)
+    lists = gather_objects(mine, group, device)
     reference = _reference_group([row[0] for row in table])
     ref = min(reference)
     others = tuple(r for r in range(len(table)) if r not in reference)

@@ -40,6 +40,7 @@ the late round reduces.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -82,7 +83,7 @@ class ParamSlot:
         self.dtype = param.dtype
         self.distributed = is_dtensor(param)  # a DTensor: the slot holds its local shard (dtensors.py)
         self.bucket: Bucket  # set by Bucket.__init__ (never for a sparse parameter)
-        self.view: torch.Tensor  # this parameter's (local) gradient in the bucket, shaped like it
+        self.view: torch.Tensor  # this parameter's (local) gradient in the bucket, shaped and strided like it
         self.grad_obj: torch.Tensor  # what .grad is set to: the view, or a DTensor around it
         # torch's optimizer-in-backward: stepped by the reducer once the average is in .grad
         self.optimizers = in_backward_optimizers(param)
@@ -107,6 +108,17 @@ class ParamSlot:
     def changed(self, grad: torch.Tensor) -> RuntimeError:
         """The error for a gradient that no longer fits this slot (dtype, device, shape or layout)."""
         return changed_since_plan(self.name, self.param.shape, grad, self.bucket.buffer)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its span without gaps or overlaps, in some order of its dimensions
+    (row-major, channels_last, ...): torch's ``is_non_overlapping_and_dense``, which has no public name."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
@@ -134,13 +146,10 @@ class Bucket:
         numel = sum(local(slot.param).numel() for slot in self.slots)
         self.buffer = torch.zeros(numel, dtype=dtype, device=device)
         self.grads = self.buffer  # what comm hooks and the late round see
-        offset = 0
-        for slot in self.slots:
-            shard = local(slot.param)
-            slot.bucket = self
-            slot.view = self.grads[offset : offset + shard.numel()].view_as(shard)
-            slot.grad_obj = grad_wrapper(slot.view, slot.param)
-            offset += shard.numel()
+        self.offsets = list(itertools.accumulate((local(slot.param).numel() for slot in self.slots), initial=0))
+        for slot, view in zip(self.slots, self.pieces(self.grads), strict=False):
+            slot.bucket, slot.view = self, view
+            slot.grad_obj = grad_wrapper(view, slot.param)
         self.params = [slot.param for slot in self.slots]  # what a comm hook's bucket lists
         self.views = [slot.view for slot in self.slots]  # each parameter's gradient in the buffer
         self.description = some_names([slot.name for slot in self.slots], 3)  # its first parameters, for messages
@@ -269,7 +278,7 @@ class Bucket:
     def late_sum(self, late_grads: LateGrads) -> torch.Tensor:
         """A tensor shaped like ``grads``: this rank's late gradients at their slots, zeros elsewhere."""
         flat = torch.zeros_like(self.grads)
-        for slot, piece in zip(self.slots, self._pieces(flat), strict=True):
+        for slot, piece in zip(self.slots, self.pieces(flat), strict=True):
             if slot.index in late_grads:
                 piece.copy_(late_grads[slot.index])
         return flat
@@ -278,7 +287,7 @@ class Bucket:
         """Adds ``flat`` (shaped like ``grads``) to every ``.grad`` that is set. A late gradient anywhere
         means the parameter was used there, so every rank holds a ``.grad`` for it; None means unused
         everywhere, and nothing late can have arrived for it."""
-        for slot, piece in zip(self.slots, self._pieces(flat), strict=True):
+        for slot, piece in zip(self.slots, self.pieces(flat), strict=True):
             grad = slot.param.grad
             if grad is not None:
                 local(grad).add_(piece)
@@ -306,10 +315,16 @@ class Bucket:
         else:
             grad.copy_(grad.reshape(num_rows, -1).index_add(0, picked, rows).view_as(grad))
 
-    def _pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        # `flat` (shaped like grads) cut as the slots' views cut the buffer, each shaped alike.
-        pieces = flat.split([view.numel() for view in self.views])
-        return [piece.view_as(view) for piece, view in zip(pieces, self.views, strict=True)]
+    def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (shaped like ``grads``) cut as the slots' views cut the buffer: each shaped like its
+        parameter, with the parameter's strides where it is dense (channels_last included), row-major
+        otherwise, as DDP's bucket views (reducer.cpp, ``initialize_bucket_views``)."""
+        views = []
+        for slot, offset in zip(self.slots, self.offsets, strict=False):
+            shard = local(slot.param)
+            strides = shard.stride() if _dense(shard) else torch.empty(shard.shape, device="meta").stride()
+            views.append(flat.as_strided(shard.shape, strides, flat.storage_offset() + offset))
+        return views
 
     def _scale_in_place(self) -> None:
         # At launch, the slots not scaled on the way in ([Note: the mean is taken on the way in] in

@@ -219,6 +219,7 @@ class StagedSums:
         self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated) if accelerated else None
         self.values: Any = None if self.host is None else self.host.numpy()  # read as host memory
         self.event: Optional[torch.Event] = torch.Event(device) if accelerated else None
+        self.device = device
         self.work: Any = None  # on the host: the staged step's all-reduce, waited at the check
         self.step = -1  # the step staged; -1: none
         self.clock = 0
@@ -245,7 +246,7 @@ class StagedSums:
             if work is not None:
                 wait_for(work, waiter)  # on an accelerator: the stream waits, not the host
             self.host.copy_(rest, non_blocking=True)
-            self.event.record()
+            self.event.record(torch.accelerator.current_stream(self.device))  # the flags' device, not the current
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
     def settle(self) -> None:
@@ -281,19 +282,24 @@ class StagedSums:
         else:
             self.settle()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
-        raise_on_desync(rest, group, self.clock, layout_digest, step)
+        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step)
         if rest[0] > 0:
             raise late_after_learning(dist.get_rank(group()), step, round(rest[0]), self.late_params)
 
 
 def raise_on_desync(
-    rest: Sequence[float], group: Callable[[], dist.ProcessGroup], clock: int, layout_digest: int, step: int
+    rest: Sequence[float],
+    group: Callable[[], dist.ProcessGroup],
+    device: torch.device,
+    clock: int,
+    layout_digest: int,
+    step: int,
 ) -> None:
     """Raises, on every rank, when the summed residues in ``rest`` (the flags after the parameters'
     counts) say the ranks disagree ([Note: desync detection]); ``group`` is called only to raise."""
     clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
     if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
-        raise desync_error(group(), clock, layout_digest, step, clocks_agree)
+        raise desync_error(group(), device, clock, layout_digest, step, clocks_agree)
 
 
 class StepFlags:
@@ -317,6 +323,7 @@ class StepFlags:
         self.num_params, self.clock, self.layout_digest = num_params, clock, layout_digest
         self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
         self.turn = 0  # the tensor this step writes and sums
+        self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}  # unused parameters' indices, by pattern
         # on the host, each tensor's sums a step late, as NumPy views made once (no tensor read in a step)
         self.host_views = [t[num_params:].numpy() for t in self.tensors] if device.type == "cpu" else [None, None]
         # An ordinary step: a gradient for every parameter, nothing late; the
@@ -330,6 +337,20 @@ class StepFlags:
         # host-to-device copy in the step (on a GPU, a synchronisation from pageable memory)
         rows = [one_hot_residues(value) for value in range(_PERIOD)]
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
+
+    def indices(self, unused_here: Sequence[int]) -> torch.Tensor:
+        """``unused_here`` as an index tensor on the flags' device, made once per pattern (the last 8 kept):
+        a steady step's pattern repeats, and a copy from pageable host memory would stop the host on a GPU
+        (a new pattern's goes from pinned memory, without waiting)."""
+        key = tuple(unused_here)
+        if (found := self.index_cache.get(key)) is None:
+            if len(self.index_cache) >= 8:
+                del self.index_cache[next(iter(self.index_cache))]
+            host = torch.tensor(key, dtype=torch.long)
+            device = self.tail.device
+            found = host.to(device) if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+            self.index_cache[key] = found
+        return found
 
     @property
     def tail(self) -> torch.Tensor:
@@ -346,7 +367,7 @@ class StepFlags:
         at = self.num_params + 1
         tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
         if unused_here:
-            tail[torch.tensor(unused_here, device=tail.device)] = 0
+            tail[self.indices(unused_here)] = 0
         if late:
             tail[self.num_params] = 1
         # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
@@ -364,7 +385,7 @@ class StepFlags:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
         """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
-        raise_on_desync(rest, group, self.clock.steps, self.layout_digest, step)
+        raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step)
         return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
 
     def stage(
@@ -396,6 +417,5 @@ class StepFlags:
         """Of ``unused_here`` (this rank holds no gradient for them), those no rank used."""
         if not unused_here:  # used here means used somewhere
             return frozenset()
-        tail = self.tail
-        counts = tail[torch.tensor(unused_here, device=tail.device)].tolist()
+        counts = self.tail[self.indices(unused_here)].tolist()  # the one read: which parameters no rank used
         return frozenset(i for i, c in zip(unused_here, counts, strict=True) if c == 0)

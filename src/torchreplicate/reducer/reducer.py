@@ -149,7 +149,7 @@ class Reducer:
         # - Across steps
         self.num_steps = num_steps  # synchronised backwards completed
         self.first_step = None if read_every_step else num_steps  # the one step read at once; None: every
-        self.staged = StagedSums(self.slots[0].param.device)  # the last step's sums, read at this one's end
+        self.staged = StagedSums(self.flags.tail.device)  # the last step's sums, read at this one's end
         self._info: Optional[ReducerInfo] = None  # what observers read; rebuilt after the buckets change
         # - The step in progress, beyond each bucket's and slot's own (Bucket.reset); reset by _new_step
         self.num_launched = 0  # buckets launched so far; always a prefix of the index order

@@ -358,8 +358,8 @@ class HookReduction(Reduction):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
-            pieces = zeros.split([view.numel() for view in bucket.views])
-            views = [piece.view_as(view) for piece, view in zip(pieces, bucket.views, strict=True)]
+            at = [view.storage_offset() - bucket.grads.storage_offset() for view in bucket.views]
+            views = [zeros.as_strided(v.shape, v.stride(), o) for v, o in zip(bucket.views, at, strict=True)]
             future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()
