@@ -39,7 +39,10 @@ def skip_unless_ddp_has(*names: str) -> None:
     """Skips the test, saying why, where the installed DDP lacks one of DDP 2.13's arguments ``names``."""
     missing = [name for name in names if name not in DDP_ARGUMENTS]
     if missing:
-        pytest.skip(f"the installed DDP (torch {TORCH_RELEASE}) has no {', '.join(missing)} argument (DDP 2.13 has)")
+        pytest.skip(
+            f"the installed DDP (torch {TORCH_RELEASE}) has no {', '.join(missing)} argument; the row runs on "
+            "the releases whose DDP has it (benchmarks/results/torch_range.json)"
+        )
 
 
 def ddp_213(module: nn.Module, **arguments: Any) -> DDP:

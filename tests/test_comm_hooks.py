@@ -55,7 +55,7 @@ QUANTIZATION_HOOKS_BROKEN_ON_GLOO = TORCH_RELEASE in {"2.9.1", "2.11.0", "2.13.0
 # batched_powerSGD_hook passes its 2-D Q to _orthogonalize, which raises
 # AssertionError on anything but a 3-D batch of matrices, at the first
 # compressed step (on any backend).
-BATCHED_POWERSGD_BROKEN = TORCH_RELEASE in {"2.9.1", "2.11.0", "2.13.0", "2.14.1"}
+BATCHED_POWERSGD_BROKEN = TORCH_RELEASE in {"2.9.1", "2.11.0", "2.13.0", "2.14.1", "2.15.0"}
 
 # Unit roundoff (half an ulp at 1.0) of the compressed formats: fp16 keeps 11
 # significant bits, bf16 keeps 8.

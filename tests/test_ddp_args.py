@@ -1,6 +1,6 @@
 """DDP's constructor arguments: each one through DDP and through replicate(), compared.
 
-One row per argument value of DDP 2.13's signature. "same": both accept and,
+One row per argument value of DDP's signature (2.13's, and 2.15's lazy_bucket_allocation). "same": both accept and,
 after one step on each rank's slice, every rank's parameters and averaged
 gradients are equal between DDP and ours. Otherwise the row says which side
 refuses and why (DDP's refusals on a CPU module come first in ours' text where
@@ -95,6 +95,7 @@ ROWS: dict[str, Row] = {
     "bucket_cap_mb_list=[1, 2]": Row(kw(bucket_cap_mb_list=[1, 2]), "ours: no per-bucket caps", None, ValueError),
     "batched_grad_copy=True": Row(kw(batched_grad_copy=True), SAME),
     "forward_sync_buffers=False": Row(kw(forward_sync_buffers=False), SAME),
+    "lazy_bucket_allocation=True": Row(kw(lazy_bucket_allocation=True), SAME),  # DDP 2.15's; ours warns
 }
 
 
@@ -180,7 +181,12 @@ def test_mixed_precision_points_to_mp_policy():
 
 
 def test_no_effect_arguments_warn():
-    for arguments in ({"dim": 1}, {"check_reduction": True}, {"batched_grad_copy": True}):
+    for arguments in (
+        {"dim": 1},
+        {"check_reduction": True},
+        {"batched_grad_copy": True},
+        {"lazy_bucket_allocation": 1},
+    ):
         with pytest.warns(UserWarning, match="has no effect"):
             with pytest.raises(RuntimeError, match="init_process_group"):
                 replicate(MLP(), **arguments)

@@ -23,7 +23,7 @@ from torch import nn
 from torchreplicate.config import to_device
 from torchreplicate.errors import DDP_DELAY_PAIR_TEXT, DDP_ONE_DEVICE_TEXT, ddp_device_types_text
 
-# DDP 2.13's constructor, after `module`, in order; replicate() has the other
+# DDP's constructor (2.13's, then 2.15's lazy_bucket_allocation), after `module`, in order; replicate() has the other
 # names of its signature itself (process_group, bucket_cap_mb, ...).
 DDP_POSITIONAL_ORDER = (
     "device_ids",
@@ -45,6 +45,7 @@ DDP_POSITIONAL_ORDER = (
     "bucket_cap_mb_list",
     "batched_grad_copy",
     "forward_sync_buffers",
+    "lazy_bucket_allocation",  # DDP 2.15's
 )
 
 _CALLER = 4  # warnings point at replicate()'s caller: warn_no_effect, translate, replicate, caller
@@ -267,6 +268,10 @@ NO_EFFECT: Mapping[str, str] = MappingProxyType(
         ),
         "batched_grad_copy": (
             "gradients are views into their buckets (gradient_as_bucket_view), or copied one bucket at a time"
+        ),
+        "lazy_bucket_allocation": (
+            "DDP 2.15 allocates its buckets during backward and frees them after; here they stay allocated "
+            "(at the default gradient_as_bucket_view, every .grad is a view into them), to the same results"
         ),
     }
 )
