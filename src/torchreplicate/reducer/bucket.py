@@ -41,6 +41,7 @@ the late round reduces.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -110,15 +111,12 @@ class ParamSlot:
         return changed_since_plan(self.name, self.param.shape, grad, self.bucket.buffer)
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill its span without gaps or overlaps, in some order of its dimensions
-    (row-major, channels_last, ...): torch's ``is_non_overlapping_and_dense``, which has no public name."""
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape, strict=True) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+def _view_strides(shard: torch.Tensor) -> tuple[int, ...]:
+    """``shard``'s strides where its elements fill their span in some order of its dimensions (row-major,
+    channels_last: torch's ``is_non_overlapping_and_dense``, no public name), else row-major ones."""
+    dims = sorted((st, n) for st, n in zip(shard.stride(), shard.shape, strict=True) if n != 1)
+    dense = [st for st, _ in dims] == [math.prod(n for _, n in dims[:i]) for i in range(len(dims))]
+    return shard.stride() if dense else torch.empty(shard.shape, device="meta").stride()
 
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
@@ -148,8 +146,7 @@ class Bucket:
         self.grads = self.buffer  # what comm hooks and the late round see
         self.offsets = list(itertools.accumulate((local(slot.param).numel() for slot in self.slots), initial=0))
         for slot, view in zip(self.slots, self.pieces(self.grads), strict=False):
-            slot.bucket, slot.view = self, view
-            slot.grad_obj = grad_wrapper(view, slot.param)
+            slot.bucket, slot.view, slot.grad_obj = self, view, grad_wrapper(view, slot.param)
         self.params = [slot.param for slot in self.slots]  # what a comm hook's bucket lists
         self.views = [slot.view for slot in self.slots]  # each parameter's gradient in the buffer
         self.description = some_names([slot.name for slot in self.slots], 3)  # its first parameters, for messages
@@ -316,15 +313,10 @@ class Bucket:
             grad.copy_(grad.reshape(num_rows, -1).index_add(0, picked, rows).view_as(grad))
 
     def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """``flat`` (shaped like ``grads``) cut as the slots' views cut the buffer: each shaped like its
-        parameter, with the parameter's strides where it is dense (channels_last included), row-major
-        otherwise, as DDP's bucket views (reducer.cpp, ``initialize_bucket_views``)."""
-        views = []
-        for slot, offset in zip(self.slots, self.offsets, strict=False):
-            shard = local(slot.param)
-            strides = shard.stride() if _dense(shard) else torch.empty(shard.shape, device="meta").stride()
-            views.append(flat.as_strided(shard.shape, strides, flat.storage_offset() + offset))
-        return views
+        """``flat`` (shaped like ``grads``) cut as the slots' views cut the buffer: each shaped and, where dense
+        (channels_last too), strided like its parameter, as DDP's bucket views (reducer.cpp)."""
+        shards, at = [local(slot.param) for slot in self.slots], flat.storage_offset()
+        return [flat.as_strided(s.shape, _view_strides(s), at + o) for s, o in zip(shards, self.offsets, strict=False)]
 
     def _scale_in_place(self) -> None:
         # At launch, the slots not scaled on the way in ([Note: the mean is taken on the way in] in
