@@ -166,3 +166,57 @@ def test_cuda_graph_capture_is_refused_before_any_collective(monkeypatch):
             model(torch.randn(3, 4))  # an evaluation runs no collective: not refused
     finally:
         dist.destroy_process_group()
+
+
+def test_an_accelerator_wait_is_polled_and_looks_at_the_peers_on_the_stall_schedule(monkeypatch):
+    # On NCCL a host wait is an event's; polled (no spinning core), it looks at the peers at stall_timeout,
+    # then at x2, as a gloo wait does, so a hung peer is named before NCCL's own abort
+    import time
+
+    from torchreplicate.faults.watchdog import StallWatch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        watch = StallWatch(dist.group.WORLD, 0.05, key="polled")
+        looks = []
+        monkeypatch.setattr(watch, "look_at_peers", lambda waited: looks.append(waited))
+        ready_at = time.monotonic() + 0.35
+        queries = []
+        watch.wait_until(lambda: queries.append(1) or time.monotonic() >= ready_at)
+        assert len(looks) == 3, looks  # at 0.05 s, 0.1 s and 0.2 s; done at 0.35 s
+        assert 0.05 <= looks[0] < 0.1 and 0.1 <= looks[1] < 0.2 and 0.2 <= looks[2] < 0.35, looks
+        assert len(queries) < 200, "polled with naps, not spun"
+        looks.clear()
+        watch.wait_until(lambda: True)  # done at once: no look, no nap
+        assert looks == []
+        watch.stop()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_staged_flags_wait_through_the_watchdog_not_a_plain_synchronize():
+    from torchreplicate.reducer import flags
+
+    class Event:
+        def query(self):
+            return True
+
+        def synchronize(self):
+            raise AssertionError("a plain wait: a hung peer would hold this rank until NCCL's abort")
+
+    class Waiter:
+        def wait_until(self, done):
+            self.polled = done()
+
+    staged, waiter = flags.StagedSums(torch.device("cpu")), Waiter()
+    staged.event, staged.values, staged.step = Event(), _agreeing_sums(flags), 3
+    staged.check(lambda: None, 0, waiter)
+    assert waiter.polled is True
+
+
+def _agreeing_sums(flags):
+    # what a step late reads when the ranks agree: no late gradient, both residue blocks one-hot
+    import numpy as np
+
+    clock = flags.one_hot_residues(0)
+    return np.array([0.0, *clock, *clock], dtype=np.float32)

@@ -75,7 +75,7 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -215,6 +215,18 @@ class StallWatch:
                 return
             waited = time.monotonic() - started
             if waited >= look_at:
+                self.look_at_peers(waited)
+                look_at *= 2
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Returns once ``done()`` is true (an accelerator event's ``query``), polling without spinning a core
+        (naps of 0.1 to 10 ms), and looks at the peers at ``stall_timeout``, then at x2, as ``wait`` does on
+        gloo: on NCCL a hung peer is named from the notes before NCCL's own abort. Done at once: no nap."""
+        started, look_at, nap = time.monotonic(), self.timeout_s, 1e-4
+        while not done():
+            time.sleep(nap)
+            nap = min(2 * nap, 0.01)
+            if (waited := time.monotonic() - started) >= look_at:
                 self.look_at_peers(waited)
                 look_at *= 2
 

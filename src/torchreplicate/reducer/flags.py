@@ -264,12 +264,15 @@ class StagedSums:
         if work is not None:
             work.wait()
 
-    def check(self, group: Callable[[], dist.ProcessGroup], layout_digest: int) -> None:
+    def check(
+        self, group: Callable[[], dist.ProcessGroup], layout_digest: int, waiter: Optional[Waiter] = None
+    ) -> None:
         """Raises what the sums staged a step ago say, if anything (every rank reads the same sums); once.
 
         Args:
             group: returns the module's process group (called only to raise).
             layout_digest: this rank's bucket layout digest.
+            waiter: polls the event, looking at the peers (the stall watchdog), or None: a plain wait.
 
         Raises:
             RuntimeError: the ranks disagreed (a desync, named after one more
@@ -277,8 +280,8 @@ class StagedSums:
         """
         if self.step < 0:
             return  # nothing staged
-        if self.event is not None:
-            self.event.synchronize()  # recorded a step ago: done, unless the device runs a step behind
+        if self.event is not None:  # recorded a step ago: done, unless the device runs a step behind
+            self.event.synchronize() if waiter is None else waiter.wait_until(self.event.query)
         else:
             self.settle()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
@@ -402,7 +405,7 @@ class StepFlags:
         this step's (being summed by ``work``) for the next step's end, and returns what this step
         needs now: the parameters no rank used, read only where this rank used none (then ``work``
         is waited now: [Note: flags read a step late])."""
-        staged.check(group, self.layout_digest)  # after this step's collectives: every rank raises here
+        staged.check(group, self.layout_digest, waiter)  # after this step's collectives: every rank raises here
         unused: frozenset[int] = frozenset()
         if unused_here:
             wait_for(work, waiter)

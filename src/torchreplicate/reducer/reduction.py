@@ -22,7 +22,7 @@ use them.
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Optional, Protocol, Sequence, cast
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,9 @@ class Waiter(Protocol):
 
     def wait(self, work: dist.Work) -> None:
         """Returns when ``work`` completed; raises its error, or the watchdog's."""
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Returns when ``done()`` is true (an event's ``query``); raises the watchdog's error."""
 
 
 def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
