@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the core and DDP-comparison subsets (`-m "core or ddp"`, tests/conftest.py's SUBSETS) on each
-# torch release given, each in its own cached venv (scripts/torch_env.sh, through scripts/test.sh with
-# TORCH_VERSION), and records which tests passed on which release, at which commit, in
+# torch release given, each in its own cached venv (scripts/torch_env.sh: the development release
+# too, without the development extras), and records which tests passed on which release, at which commit, in
 # benchmarks/results/torch_range.json and .md. tests/test_torch_range.py fails once
 # src/torchreplicate/torch_internals.py differs from what the recorded runs tested.
 #   bash scripts/torch_range.sh 2.9.1 2.11.0:python3.12 2.13.0 2.14.1   (VERSION[:PYTHON] each)
@@ -18,13 +18,8 @@ for spec in "$@"; do
   python=python3
   [ "$spec" = "$version" ] || python=${spec#*:}
   echo "== torch $version ($python)" >&2
-  if [ "$version" = 2.13.0 ]; then  # the development venv, as scripts/test.sh makes it
-    bash scripts/setup.sh
-    runner=(.venv/bin/python -m pytest -p no:cacheprovider)
-  else
-    env=$(bash scripts/torch_env.sh "$version" "$python")
-    runner=("$env/bin/python" -m pytest -p no:cacheprovider)
-  fi
+  env=$(bash scripts/torch_env.sh "$version" "$python")  # 2.13.0 too: the package as a user installs it
+  runner=("$env/bin/python" -m pytest -p no:cacheprovider)
   "${runner[@]}" -q -m "core or ddp" --junitxml="$tmp/$version.xml" || status=1
   "${runner[0]}" scripts/range_record.py "$out" "$tmp/$version.xml" "$python"
 done
