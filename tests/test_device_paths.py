@@ -215,8 +215,8 @@ def test_the_staged_flags_wait_through_the_watchdog_not_a_plain_synchronize():
 
 
 def _agreeing_sums(flags):
-    # what a step late reads when the ranks agree: no late gradient, both residue blocks one-hot
+    # what a step late reads when the ranks agree: no late gradient, no rank raised, both residue blocks one-hot
     import numpy as np
 
     clock = flags.one_hot_residues(0)
-    return np.array([0.0, *clock, *clock], dtype=np.float32)
+    return np.array([0.0] * flags._HEAD + [*clock, *clock], dtype=np.float32)

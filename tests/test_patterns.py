@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import parity
 from models import DIM, MLP, data
@@ -230,6 +231,55 @@ def raised_backward(rank: int, world_size: int, options: dict, then: str) -> str
 @pytest.mark.parametrize("options", [{}, dict(TINY, gradient_as_bucket_view=False)], ids=["default", "tiny-copy"])
 def test_backward_that_raised_then_training(pools, options, then):
     assert len(set(pools.run(2, raised_backward, options, then))) == 1
+
+
+def raised_on_one_rank(rank: int, world_size: int, options: dict, then: str) -> str:
+    """A backward that raised on rank 1 only (after some buckets left), caught there, then a new
+    forward or a retry on the retained graph; the others finished that step. Every rank raises, at
+    the same collective, naming rank 1 and the step ([Note: a backward that raised] in reducer.py),
+    instead of pairing rank 1's next buckets with the others' last; the group stays usable."""
+    model = seeded(Net, 100 + rank)
+    options = dict(options)
+    hook = options.pop("comm_hook", False)
+    # a retry is one backward more than the others run: it pairs with their next backward only where
+    # the forward runs no collective of its own (the buffer broadcast), as under DDP
+    replicate(model, **options, broadcast_buffers=then != "retry")
+    if hook:  # the hook path shadows from the first bucket not launched too
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    error = "no error"
+    try:
+        for step in range(5):
+            if step == 2 and rank == 1:
+                handle = model.head.register_forward_hook(lambda module, args, output: _BoomOnce.apply(output))
+                loss = loss_of(model, rank, step)
+                handle.remove()
+                _BoomOnce.armed = True
+                with pytest.raises(RuntimeError, match="boom in backward"):
+                    loss.backward(retain_graph=True)
+                with pytest.warns(UserWarning, match="raised before it ended"):
+                    loss.backward() if then == "retry" else loss_of(model, rank, step).backward()
+            else:
+                loss_of(model, rank, step).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RuntimeError as raised:
+        error = str(raised)
+    assert error.startswith(f"replicate(): rank {rank}: synchronised backward 2 raised on rank 1 "), error
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    assert total.item() == world_size, f"rank {rank}: the group is not usable after the error"
+    return error.split(":", 2)[2]
+
+
+@pytest.mark.parametrize("then", ["forward", "retry"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(TINY, graph="dynamic"), dict(TINY, gradient_as_bucket_view=False), dict(TINY, comm_hook=True)],
+    ids=["default", "tiny-dynamic", "tiny-copy", "tiny-hook"],
+)
+def test_backward_that_raised_on_one_rank_raises_on_every_rank(pools, options, then):
+    assert len(set(pools.run(3, raised_on_one_rank, options, then))) == 1
 
 
 def surgery(rank: int, world_size: int, options: dict) -> str:

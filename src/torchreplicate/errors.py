@@ -147,6 +147,19 @@ def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequ
     )
 
 
+def backward_raised_error(rank: int, step: int, raised: int, rank_sum: int) -> RuntimeError:
+    """The error every rank raises where the backward of ``step`` raised on some ranks but not all
+    ([Note: a backward that raised] in reducer.py): ``raised`` ranks, whose ranks sum to ``rank_sum``."""
+    where = f"rank {rank_sum}" if raised == 1 else f"{raised} ranks"
+    return RuntimeError(
+        f"replicate(): rank {rank}: synchronised backward {step} raised on {where} (out of memory, an "
+        "exception in a hook) and ended on the others, so that step's average misses the gradients of "
+        f"{where}, and any optimizer step after it used that average. Every rank raises here, at the same "
+        "collective; the process group stays usable. Resume every rank from the last checkpoint (torchrun "
+        "--max-restarts), or let the ranks handle the exception alike (all raise, then the step is dropped)"
+    )
+
+
 def warn_late_unreduced(step: int, late_params: Sequence[str]) -> None:
     """Warns, on the rank that had it, that a late gradient is missing from the average (``graph="learned"``)."""
     warnings.warn(
@@ -259,9 +272,10 @@ def warn_backward_raised(step: int) -> None:
     """Warns that a synchronised backward raised, so its gradients were cleared ([Note: a backward that raised])."""
     warnings.warn(
         f"replicate(): the synchronised backward of step {step} raised before it ended; its "
-        "collectives were completed and every replicated parameter's .grad was set to None on "
-        "every rank (the partial sums are neither this rank's gradients nor the average), as "
-        "zero_grad(set_to_none=True) would; gradients accumulated before it (no_sync) are dropped too",
+        "collectives were completed and every replicated parameter's .grad was set to None here "
+        "(the partial sums are neither this rank's gradients nor the average), as "
+        "zero_grad(set_to_none=True) would; gradients accumulated before it (no_sync) are dropped too. "
+        "Where it raised on every rank, training goes on; else every rank raises at the flags' next read",
         UserWarning,
         stacklevel=2,
     )

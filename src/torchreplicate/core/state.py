@@ -426,12 +426,12 @@ class ReplicateState:
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise graph_capture_error(class_name(self.module))  # before any collective, never half captured
-        buffer_source = 0
-        if self.joining:  # inside a Join context ([Note: join] in join.py)
-            buffer_source = self.join_hook.training_round().source
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
             self.reducer.finalize_raised_backward()  # outside a backward: the last one raised before its end ran
+        buffer_source = 0
+        if self.joining:  # inside a Join context ([Note: join] in join.py)
+            buffer_source = self.join_hook.training_round().source
         self.num_forwards += 1
         self.probe.at(Place(TrainingState.FORWARD, 0 if self.reducer is None else self.reducer.num_steps))
         plan = self.plan

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchreplicate.errors import desync_error, late_after_learning
+from torchreplicate.errors import backward_raised_error, desync_error, late_after_learning
 from torchreplicate.reducer.reduction import Waiter, wait_for
 
 if TYPE_CHECKING:
@@ -181,9 +181,12 @@ class FlagSums(NamedTuple):
     any_late: bool
 
 
+_HEAD = 3  # after the parameters' elements: the late flag, the ranks whose backward raised, the sum of their ranks
+
+
 def num_flags(num_params: int) -> int:
     """How many elements the flags of ``num_params`` parameters take."""
-    return num_params + 1 + 2 * _RESIDUE_WIDTH
+    return num_params + _HEAD + 2 * _RESIDUE_WIDTH
 
 
 def one_hot_residues(value: int) -> list[float]:
@@ -197,7 +200,7 @@ def residues_agree(sums: Sequence[float]) -> bool:
     return all(sum(x != 0 for x in sums[s : s + m]) == 1 for s, m in zip(starts, MODULI, strict=True))
 
 
-_STAGED_WIDTH = 1 + 2 * _RESIDUE_WIDTH  # what a step late reads: the late flag, then both residue blocks
+_STAGED_WIDTH = _HEAD + 2 * _RESIDUE_WIDTH  # what a step late reads: the head, then both residue blocks
 
 
 class StagedSums:
@@ -298,10 +301,13 @@ def raise_on_desync(
     layout_digest: int,
     step: int,
 ) -> None:
-    """Raises, on every rank, when the summed residues in ``rest`` (the flags after the parameters'
-    counts) say the ranks disagree ([Note: desync detection]); ``group`` is called only to raise."""
-    clocks_agree = residues_agree(rest[1 : 1 + _RESIDUE_WIDTH])
-    if not (clocks_agree and residues_agree(rest[1 + _RESIDUE_WIDTH :])):
+    """Raises, on every rank, when the summed flags after the parameters' counts (``rest``) say that
+    the backward of ``step`` raised on some ranks but not all ([Note: a backward that raised] in
+    reducer.py), or that the ranks disagree ([Note: desync detection])."""
+    if rest[1] > 0 and rest[1] < dist.get_world_size(group()):
+        raise backward_raised_error(dist.get_rank(group()), step, round(rest[1]), round(rest[2]))
+    clocks_agree = residues_agree(rest[_HEAD : _HEAD + _RESIDUE_WIDTH])
+    if not (clocks_agree and residues_agree(rest[_HEAD + _RESIDUE_WIDTH :])):
         raise desync_error(group(), device, clock, layout_digest, step, clocks_agree)
 
 
@@ -310,7 +316,8 @@ class StepFlags:
 
     Layout: element ``i < num_params`` is 1 where this rank holds a gradient
     for parameter ``i``; element ``num_params`` is 1 where a gradient arrived
-    after its bucket was launched (a late round follows); then the residues
+    after its bucket was launched (a late round follows); then 1 and this rank
+    where its backward raised ([Note: a backward that raised] in reducer.py); then the residues
     of the training clock and of the layout digest ([Note: desync detection]).
     Two tensors of them, used in turn: a step's sums may be read at the end
     of the next step (``StagedSums``) while that step sums the other.
@@ -333,7 +340,7 @@ class StepFlags:
         # clock's residues are written at each step, the layout's once here.
         self.ordinary = torch.ones_like(self.tensors[0])
         self.ordinary[num_params:] = 0
-        layout_at = num_params + 1 + _RESIDUE_WIDTH
+        layout_at = num_params + _HEAD + _RESIDUE_WIDTH
         self.ordinary[layout_at:] = torch.tensor(one_hot_residues(layout_digest), dtype=torch.float32)
         # Every clock's residues, on the flags' device, made once: residues repeat with the
         # product of the moduli, so writing the clock is a device copy of one row, never a
@@ -364,15 +371,18 @@ class StepFlags:
         """Bytes of one step's flags."""
         return self.tail.numel() * self.tail.element_size()
 
-    def send(self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup) -> dist.Work:
-        """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work."""
+    def send(self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup, raised: bool = False) -> dist.Work:
+        """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work.
+        ``raised``: this rank's backward raised ([Note: a backward that raised] in reducer.py): no gradient."""
         tail = self.tail.copy_(self.ordinary)
-        at = self.num_params + 1
+        at = self.num_params + _HEAD
         tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
         if unused_here:
             tail[self.indices(unused_here)] = 0
         if late:
             tail[self.num_params] = 1
+        if raised:
+            tail[: self.num_params + 3] = torch.tensor([0.0] * self.num_params + [0.0, 1.0, dist.get_rank(group)])
         # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
         # plainly a step late on the host (``StagedSums.settle``), long done by then
         return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))

@@ -34,19 +34,27 @@ in flags.py).
 [Note: a backward that raised]
 A backward that raised (an exception in a hook or an autograd Function, out
 of memory) drops its queued end-of-backward callback, so its step never
-ends: some buckets left, others hold part of this rank's gradients. Every
-rank raised alike, or the others wait in their end of backward and the
-watchdog names this rank. The reducer holds the callback it queued only
-weakly, so the first gradient hook of the next backward (a retry on a
-retained graph) sees it gone; the next forward with gradients sees the
-module still in ``BACKWARD`` outside any backward. Either ends the failed
-step (``finalize_raised_backward``): it waits for the collectives the step launched, so
-every rank's sequence stays one, and sets every replicated parameter's
-``.grad`` to None, as ``zero_grad(set_to_none=True)`` would, with a warning:
-the partial sums are neither this rank's gradients nor their average. The
-next step is then exact (tests/test_patterns.py: raised backward). DDP
-refuses to go on instead ("Expected to have finished reduction in the
-prior iteration").
+ends: some buckets left, others hold part of this rank's gradients. The
+reducer holds the callback it queued only weakly, so the first gradient
+hook of the next backward (a retry on a retained graph) sees it gone; the
+next forward with gradients sees the module still in ``BACKWARD`` outside
+any backward. Either ends the failed step (``finalize_raised_backward``):
+it waits for the collectives the step launched, sets every replicated
+parameter's ``.grad`` to None, as ``zero_grad(set_to_none=True)`` would,
+with a warning (the partial sums are neither this rank's gradients nor
+their average), and runs the rest of the step's collective sequence as a
+joined rank does: zeros for the buckets not launched, then flags that say
+"raised on this rank". So the ranks' sequences stay one, and the flags'
+sums tell every rank how many ranks raised, where the sums are read (at
+that step's end, or a step late). Raised on every rank alike: training
+goes on, the next step exact (tests/test_patterns.py: raised backward).
+Raised on some ranks only (an out-of-memory error on one): the others
+ended that step on an average that misses those ranks' gradients, so every
+rank raises at the read, naming the ranks (``backward_raised_error``; the
+others wait in their end of backward meanwhile, and the watchdog names a
+rank that never comes back). DDP refuses to go on on the raising rank
+("Expected to have finished reduction in the prior iteration"), and the
+others wait at their next collective.
 """
 
 from __future__ import annotations
@@ -401,36 +409,43 @@ class Reducer:
         Its end is gone when the engine let go of the callback queued for it,
         or when the module is still in ``BACKWARD`` with no backward running.
         Then: waits for the collectives it launched, sets every replicated
-        parameter's ``.grad`` to None (with a warning) and starts clean.
+        parameter's ``.grad`` to None (with a warning), and runs the rest of
+        the step's collective sequence with zeros and flags that say it raised.
         """
         if self.lifecycle.now is not TrainingState.BACKWARD or (self._end() is not None and in_backward()):
             return
         for bucket in self.buckets:
             bucket.abandon()
         self.sparse.abandon()
-        self._new_step()
-        self.lifecycle.now = TrainingState.IDLE
+        self.lifecycle.now, first_not_launched = TrainingState.IDLE, self.num_launched
         warn_backward_raised(self.num_steps)
+        self._new_step()
+        self._shadow(first_not_launched, raised=True)
 
     @torch.no_grad()
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
-        if self.buckets:
-            self.reduction.shadow()
+        self._shadow(0)
+        self._new_step()
+
+    @torch.no_grad()
+    def _shadow(self, first_bucket: int, raised: bool = False) -> None:
+        # The step's collectives from bucket `first_bucket` on, with zeros: the buckets, the flags (read
+        # now: raises where a backward raised on some ranks only), the rounds after them; then learns.
+        self.reduction.shadow(first_bucket)
         flags, watch = self.flags, self.probe.watch
-        work = flags.send_zeros(self.group)
+        work = flags.send((), False, self.group, raised=True) if raised else flags.send_zeros(self.group)
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
             wait_for(work, watch)
-            any_late = flags.tail[len(self.slots)].item() > 0
+            any_late = flags.read((), self._group.get, self.num_steps).any_late
         else:
             flags.stage(self.staged, work, watch, self.num_steps, (), (), self._group.get)
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
         for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
             round_.shadow(inputs)
         self._learn()  # the ranks still training count this step: the layout learning follows it
-        self._new_step()
 
     def _new_step(self) -> None:
         # The one reset at a step's end: the reducer's part and each bucket's.

@@ -166,8 +166,9 @@ class Reduction:
         """Bytes one backward hands to the collectives (per rank): the bound buckets as they travel."""
         raise NotImplementedError
 
-    def shadow(self) -> None:
-        """A joined rank's part of one backward: the same collectives, all zeros."""
+    def shadow(self, first: int = 0) -> None:
+        """A joined rank's part of one backward (a rank whose backward raised: from bucket ``first`` on):
+        the same collectives, all zeros."""
         raise NotImplementedError
 
 
@@ -267,9 +268,9 @@ class AllReduce(Reduction):
             mean = mean.to(self.reduce_dtype)
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
-    def shadow(self) -> None:
+    def shadow(self, first: int = 0) -> None:
         group = self.weak_group.get()
-        for work in [all_reduce(torch.zeros_like(wire), group, async_op=True) for wire in self.wires]:
+        for work in [all_reduce(torch.zeros_like(wire), group, async_op=True) for wire in self.wires[first:]]:
             wait_for(cast(dist.Work, work), self._waiter)
 
     def launch(self, index: int) -> Any:
@@ -354,10 +355,10 @@ class HookReduction(Reduction):
             [real_parts(view) for view in views],
         )
 
-    def shadow(self) -> None:
+    def shadow(self, first: int = 0) -> None:
         # The hook on zero buckets, one at a time (the reducer's flags follow).
         future = None
-        for index, bucket in enumerate(self._buckets):
+        for index, bucket in enumerate(self._buckets[first:], first):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
