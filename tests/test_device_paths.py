@@ -220,3 +220,34 @@ def _agreeing_sums(flags):
 
     clock = flags.one_hot_residues(0)
     return np.array([0.0] * flags._HEAD + [*clock, *clock], dtype=np.float32)
+
+
+def test_a_read_of_the_flags_in_the_step_polls_on_an_accelerator(monkeypatch):
+    # The unused parameters' counts and graph="dynamic"'s flags are read in the step: on an accelerator
+    # the host polls an event recorded after the all-reduce, through the watchdog, not a plain blocking read
+    from torchreplicate.reducer import flags
+
+    seen = []
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: seen.append(("stream", device)) or "s")
+
+    class Event:
+        def record(self, stream):
+            seen.append(("record", stream))
+
+        def query(self):
+            return True
+
+    class Waiter:
+        def wait(self, work):
+            seen.append(("wait", work))
+
+        def wait_until(self, done):
+            seen.append(("polled", done()))
+
+    step_flags = flags.StepFlags(torch.device("cpu"), 3, 0, flags.TrainingClock())
+    step_flags.wait("work", Waiter())
+    assert seen == [("wait", "work")], "on the host the work's wait is the read's"
+    seen.clear()
+    step_flags.ready = Event()  # as on an accelerator
+    step_flags.wait("work", Waiter())
+    assert seen == [("wait", "work"), ("stream", torch.device("cpu")), ("record", "s"), ("polled", True)], seen

@@ -347,6 +347,16 @@ class StepFlags:
         # host-to-device copy in the step (on a GPU, a synchronisation from pageable memory)
         rows = [one_hot_residues(value) for value in range(_PERIOD)]
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
+        self.ready: Optional[torch.Event] = torch.Event(device) if device.type != "cpu" else None  # see wait
+
+    def wait(self, work: Any, waiter: Optional[Waiter]) -> None:
+        """Waits for the flags' all-reduce before a read of the sums in this step: on an accelerator
+        the stream waits, then the host polls an event through ``waiter`` (the stall watchdog, which
+        looks at the peers) instead of blocking plainly in the read until NCCL's own timeout."""
+        wait_for(work, waiter)
+        if self.ready is not None and waiter is not None:
+            self.ready.record(torch.accelerator.current_stream(self.tail.device))
+            waiter.wait_until(self.ready.query)
 
     def indices(self, unused_here: Sequence[int]) -> torch.Tensor:
         """``unused_here`` as an index tensor on the flags' device, made once per pattern (the last 8 kept):
@@ -418,7 +428,7 @@ class StepFlags:
         staged.check(group, self.layout_digest, waiter)  # after this step's collectives: every rank raises here
         unused: frozenset[int] = frozenset()
         if unused_here:
-            wait_for(work, waiter)
+            self.wait(work, waiter)
             work, unused = None, self.unused_everywhere(unused_here)
         rest = self.tail[self.num_params :]
         staged.stage(rest, self.host_views[self.turn], work, waiter, step, self.clock.steps, late_params)

@@ -89,7 +89,7 @@ from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, Traini
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
-from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup, wait_for
+from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.tied_rows import TiedRows
@@ -392,7 +392,7 @@ class Reducer:
             work = self.flags.send(unused_here, late, group)
         if self.reads_now:
             probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
-            wait_for(work, probe.watch)
+            self.flags.wait(work, probe.watch)
             return self.flags.read(unused_here, self._group.get, num_steps)
         if self.late:
             warn_late_unreduced(num_steps, self.late)
@@ -438,7 +438,7 @@ class Reducer:
         work = flags.send((), False, self.group, raised=True) if raised else flags.send_zeros(self.group)
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
-            wait_for(work, watch)
+            flags.wait(work, watch)
             any_late = flags.read((), self._group.get, self.num_steps).any_late
         else:
             flags.stage(self.staged, work, watch, self.num_steps, (), (), self._group.get)

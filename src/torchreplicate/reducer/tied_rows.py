@@ -29,8 +29,9 @@ would be bytes sent twice on a saturated link (100 Mbit), the parameter goes
 back to one ``.grad``, whole, in the last bucket. ``replicate(tied_split=True)``
 asks for the split with any layout, unpriced: a fact of the model, the same
 on every run (reproducible, not DDP's bits); ``tied_split=False`` never
-splits, also when tuned. The round reads no tensor on the host: the rows are
-picked on the device.
+splits, also when tuned. The round makes one host read per step (the summed
+mask's ``nonzero``: how many rows travel depends on the batch), after every
+bucket has left; DDP, which reduces a tied parameter whole, makes none.
 
 Exact: averaging is linear, so the mean of the two parts is the mean of their
 sum. Only the rounding differs from one all-reduce of the sum (the parts are
