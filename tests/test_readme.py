@@ -211,3 +211,32 @@ def test_a_marker_without_a_fence_is_an_error():
 def test_runnable_blocks_run(document, tmp_path):
     for index, block in enumerate(_blocks(document)):
         _run(block, tmp_path, index)
+
+
+def test_the_first_screen_says_what_it_is_against_ddp_and_how_to_start_in_about_30_lines():
+    # issue 48: what it is, the status box with the torch range, a table against DDP (the call,
+    # state_dict keys, unused parameters, cross-rank mistakes, bits, step time against DDP's two
+    # configurations), the two commands and the links onward; set-up detail lives under Install
+    readme = (ROOT / "README.md").read_text()
+    first = readme[: readme.index("\n## ")]
+    assert len(first.splitlines()) <= 35, f"the first screen has {len(first.splitlines())} lines, want about 30"
+    for words in (
+        "> **Status:",
+        "torch 2.9 to 2.14",
+        "GPU and NCCL have never",
+        "| the call |",
+        "| `state_dict` keys |",
+        "| unused parameters |",
+        "| cross-rank mistakes",
+        "bit for bit",
+        "| step time / DDP's defaults",
+        "| step time / DDP with `gradient_as_bucket_view=True` |",
+        "bash scripts/demo.sh",
+        "bash scripts/test.sh",
+        "(docs/migration.md)",
+        "(docs/limits.md)",
+        "(docs/performance.md#gpu)",
+    ):
+        assert words in first, f"the README's first screen lacks {words!r}"
+    for detail in ("chromium", "python3-venv", "TORCH_INDEX_URL", "apt-get"):
+        assert detail not in first, f"set-up detail {detail!r} belongs under Install, not on the first screen"
