@@ -240,3 +240,15 @@ def test_the_first_screen_says_what_it_is_against_ddp_and_how_to_start_in_about_
         assert words in first, f"the README's first screen lacks {words!r}"
     for detail in ("chromium", "python3-venv", "TORCH_INDEX_URL", "apt-get"):
         assert detail not in first, f"set-up detail {detail!r} belongs under Install, not on the first screen"
+
+
+def test_the_changelog_opens_the_release_with_what_breaks_then_a_summary():
+    # issue 48: release notes, not a diary: the unreleased section says first what code written
+    # against the last release must change, then what the release brings, then the entries
+    text = (ROOT / "CHANGELOG.md").read_text()
+    release = text[text.index("\n## ") : text.index("\n## ", text.index("\n## ") + 1)]
+    headings = [line for line in release.splitlines() if line.startswith("### ")]
+    assert headings[:3] == ["### Breaking since 0.1.0", "### Summary", "### Changes"], headings
+    breaking = release[release.index("### Breaking") : release.index("### Summary")]
+    for removed in ("torchreplicate.launch()", "`bucket_layout=\"tuned\"`", "graph=\"dynamic\""):
+        assert removed in breaking, f"the breaking list lacks {removed}"
