@@ -264,9 +264,7 @@ def test_every_page_reads_as_plain_text_a_marker_ends_its_line_or_sits_in_a_tabl
     assert markers_mid_sentence("ran in 34<!-- cell: a.json b --> s here") == [1], "the check must bite"
     assert markers_mid_sentence("ran in 34<!-- cell: a.json b -->,\ns here\n| 1<!-- cell: a.json b --> | x |") == []
     found = {
-        str(path.relative_to(ROOT)): lines
-        for path in DOCUMENTS
-        if (lines := markers_mid_sentence(path.read_text()))
+        str(path.relative_to(ROOT)): lines for path in DOCUMENTS if (lines := markers_mid_sentence(path.read_text()))
     }
     assert not found, f"cell markers inside a sentence (end the line after the marker): {found}"
 

@@ -250,5 +250,5 @@ def test_the_changelog_opens_the_release_with_what_breaks_then_a_summary():
     headings = [line for line in release.splitlines() if line.startswith("### ")]
     assert headings[:3] == ["### Breaking since 0.1.0", "### Summary", "### Changes"], headings
     breaking = release[release.index("### Breaking") : release.index("### Summary")]
-    for removed in ("torchreplicate.launch()", "`bucket_layout=\"tuned\"`", "graph=\"dynamic\""):
+    for removed in ("torchreplicate.launch()", '`bucket_layout="tuned"`', 'graph="dynamic"'):
         assert removed in breaking, f"the breaking list lacks {removed}"
