@@ -483,3 +483,36 @@ if __name__ == "__main__":  # python tests/test_doc_numbers.py FILE NUMBER: the 
     if len(sys.argv) != 3:
         sys.exit("usage: python tests/test_doc_numbers.py ddp_loopback.json 0.927")
     print("\n".join(cells_holding(sys.argv[1], sys.argv[2])) or f"no cell of {sys.argv[1]} rounds to {sys.argv[2]}")
+
+
+def test_the_options_table_is_the_signature_of_replicate():
+    # docs/migration.md's options table names every keyword option of replicate() and its default
+    # as the signature has it (issue 48): an option added, dropped or given another default fails here
+    import inspect
+
+    from torchreplicate import replicate
+
+    text = (ROOT / "docs" / "migration.md").read_text()
+    table = text[text.index("## Options") : text.index("## What the module gains")]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            for name in re.findall(r"`(\w+)`", cells[0]):
+                rows[name] = cells[1]
+    options = {p.name: p.default for p in inspect.signature(replicate).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    assert set(options) == set(rows), (
+        f"only in the signature: {set(options) - set(rows)}; only in the table: {set(rows) - set(options)}"
+    )
+    said = {"process_group": "world", "broadcast_buffers": "`True`"}  # what their None means, as the table says
+    for name, default in options.items():
+        shown = (
+            '"' + default + '"'
+            if isinstance(default, str)
+            else f"{default:g}"
+            if isinstance(default, float)
+            else default
+        )
+        assert rows[name] == said.get(name, f"`{shown}`"), (
+            f"{name}: the table says {rows[name]}, the signature {default!r}"
+        )

@@ -324,6 +324,43 @@ def replicate(
             every rank, naming the parameter).
         TypeError / ValueError: an option has a bad value (the message names
             the option, the value and the fix).
+
+    Note:
+        - ``model.module`` is a view of the model, not a second object: the same
+          parameters, buffers, hooks and ``state_dict`` keys as DDP's
+          ``ddp.module``, with none of DDP's attributes (unwrapping loops end).
+          A forward through it is the replicated forward, collectives included,
+          where DDP's ``ddp.module(x)`` bypasses DDP.
+        - ``.grad`` holds the mean over ranks after ``backward()`` returns. During
+          backward, at the default layout, a parameter's ``.grad`` is ``None``
+          while its bucket is in flight. A post-accumulate-grad hook on a
+          replicated parameter is refused (ours is its one such hook): use
+          ``register_comm_hook``, or read ``.grad`` after ``backward()``.
+        - At default options a seeded job ends with DDP's bits. What changes
+          them: ``bucket_layout="tuned"`` or ``"fixed"``, ``tied_split``,
+          ``reduce_dtype``, ``mp_policy``, ``gradient_divide_factor`` and a comm
+          hook's own arithmetic (docs/migration.md, DDP's bits).
+        - Every rank runs the same sequence of forwards with gradients,
+          backwards and optimizer steps. A forward without gradients
+          (``torch.no_grad()``, evaluation) runs no collective, so one rank may
+          evaluate alone.
+        - Side effects, while a replicated module lives: torch's global
+          module-registration hooks and one optimizer-step post-hook, a
+          heartbeat thread (the stall watchdog), and exit handlers. Nothing is
+          drawn from a random generator the user can see.
+
+    Warning:
+        - A change to the model (freezing, new parameters, ``.to()``, a dtype)
+          must be made on every rank at the same step: the next forward
+          re-plans on every rank; a change on some ranks only raises, or with
+          gloo may abort.
+        - ``copy.deepcopy(model)`` and ``torch.save(model)`` give a plain module
+          of the original class, not a replica.
+        - A backward that raised on some ranks only (a caught out-of-memory
+          error) makes every rank raise at the flags' next read: resume every
+          rank from a checkpoint.
+        - No GPU has run this code: the CUDA and NCCL paths are read from
+          torch's sources and tested with fakes on the CPU.
     """
     refuse_positional(positional)
     _refuse_unsupported(module)
