@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,12 +23,17 @@ MiB = 1024 * 1024
 
 
 def run_env(**extra: Any) -> dict:
-    """What a report records at the start of a run: torch, Python, CPUs, git, load; plus ``extra``."""
+    """What a report records at the start of a run, its provenance: the command line, the UTC time,
+    the CPU model and count, torch, Python, the commit and the whole tree's status, the load; plus
+    ``extra``. No absolute path of this machine is kept (``portable``)."""
     return {
+        "argv": [portable(sys.argv[0]), *sys.argv[1:]],
+        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "torchreplicate_file": torchreplicate.__file__,
+        "torchreplicate_file": portable(torchreplicate.__file__),
         "git": git_info(),
         "loadavg_start": os.getloadavg(),
         "threads_per_rank": 1,
@@ -34,8 +41,31 @@ def run_env(**extra: Any) -> dict:
     }
 
 
+def portable(path: Optional[str]) -> Optional[str]:
+    """``path`` without this machine's layout: relative to the checkout where it lies inside it, else
+    ``(outside the checkout)/`` and the path below its top two folders (a snapshot's own name kept)."""
+    if not path:
+        return path
+    real = os.path.realpath(path)
+    if real == REPO or real.startswith(REPO + os.sep):
+        return os.path.relpath(real, REPO)
+    return "/".join(["(outside the checkout)", *real.split(os.sep)[2:]])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def git_info() -> dict:
-    """This checkout's HEAD and the ``git status`` of its ``src/`` (empty strings without git)."""
+    """This checkout's HEAD, the ``git status`` of its ``src/`` and of the whole tree (empty strings without git)."""
 
     def run(*args: str) -> str:
         try:
@@ -43,7 +73,11 @@ def git_info() -> dict:
         except Exception:
             return ""
 
-    return {"head": run("rev-parse", "HEAD"), "src_status": run("status", "--porcelain", "--", "src")}
+    return {
+        "head": run("rev-parse", "HEAD"),
+        "src_status": run("status", "--porcelain", "--", "src"),
+        "tree_status": run("status", "--porcelain"),
+    }
 
 
 def source_info(module_file: Optional[str]) -> dict:
@@ -55,8 +89,15 @@ def source_info(module_file: Optional[str]) -> dict:
     """
     if not module_file:
         return {}
+    if not os.path.isabs(module_file):  # run_env's, made portable: inside the checkout, or no longer readable
+        if module_file.startswith("(outside"):
+            return {"root": module_file.rsplit("/", 3)[0], "is_this_checkout": False}
+        module_file = os.path.join(REPO, module_file)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(module_file))))
-    info: dict[str, Any] = {"root": root, "is_this_checkout": os.path.realpath(root) == os.path.realpath(REPO)}
+    info: dict[str, Any] = {
+        "root": portable(root),
+        "is_this_checkout": os.path.realpath(root) == os.path.realpath(REPO),
+    }
     marker = os.path.join(root, "SNAPSHOT_COMMIT")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -101,6 +142,9 @@ def finish_report(
     """
     report["env"]["loadavg_end"] = os.getloadavg()
     report["env"]["source"] = source_info(rank_file)
+    for key in ("torchreplicate_file_in_ranks", "before_package"):  # set by some benchmarks: no machine paths
+        if report["env"].get(key):
+            report["env"][key] = portable(report["env"][key])
     report["elapsed_s"] = time.time() - started
     table = run_header(report) + "\n\n" + table_of(report)
     path = write_report(report, table, out_dir, name)
