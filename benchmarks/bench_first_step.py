@@ -18,7 +18,7 @@ rotated each trial.
 Then, untimed, one more start of each engine counts what went on the wire:
 the bytes of every all-reduce and broadcast (torch.profiler's gloo events,
 DDP's included) and, for ours, the bytes the link calibration sent
-(``tuning.measure_link``, [Note: tuning]) and the cap it chose. Last,
+(``reducer/layout/policy.py``'s ``measure_link``, [Note: tuning]) and the cap it chose. Last,
 ``--cap-rounds`` times, the calibration runs alternately within each
 model's budget and within none (the sizes every model timed before the
 budget): the caps the two choose on the same link.
@@ -46,7 +46,7 @@ from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, comma_choices, finish_report, run_env
 from benchlib.stats import summarize
 from torchreplicate import replicate
-from torchreplicate.reducer import tuning
+from torchreplicate.reducer.layout import policy as tuning  # where the reducer looks measure_link up
 
 MODELS = ("small", "large")
 ENGINES = ("ours", "ddp")

@@ -120,19 +120,24 @@ def main(record: Path, junit: Path, python: str) -> None:
     data["runs"][torch.__version__.split("+")[0]] = entry
     data["runs"] = dict(sorted(data["runs"].items(), key=lambda kv: [int(p) for p in kv[0].split(".")]))
     record.write_text(json.dumps(data, indent=1) + "\n")
+    record.with_suffix(".md").write_text(markdown(data))
+    print(f"range_record.py: torch {torch.__version__}: {counts}")
+
+
+def markdown(data: dict) -> str:
+    """The record's .md, from its .json alone (tests/test_results.py renders it again)."""
     lines = ["| torch | Python | commit | passed | failed | skipped | xfailed |", "|---|---|---|---|---|---|---|"]
     for release, run in data["runs"].items():
         c = run["counts"]
         commit = run["commit"][:7] + (" (+ changes)" if run["changed_since_commit"] else "")
         row = [release, run["python"], commit, *(str(c.get(k, 0)) for k in ("passed", "failed", "skipped", "xfailed"))]
         lines.append("| " + " | ".join(row) + " |")
-    record.with_suffix(".md").write_text(
+    return (
         "# The torch range: the core and DDP-comparison subsets on each release\n\n"
         "Written by `bash scripts/torch_range.sh`; every test's outcome is in torch_range.json.\n\n"
         + "\n".join(lines)
         + "\n"
     )
-    print(f"range_record.py: torch {torch.__version__}: {counts}")
 
 
 if __name__ == "__main__":  # the spawned ranks import this file again: main() only here

@@ -516,3 +516,26 @@ def test_the_options_table_is_the_signature_of_replicate():
         assert rows[name] == said.get(name, f"`{shown}`"), (
             f"{name}: the table says {rows[name]}, the signature {default!r}"
         )
+
+
+RESULT_MD_LINK = re.compile(r"\]\((?:\.\./)?(?:benchmarks/)?results/(\w+)\.md\)")  # a current result, not archive/
+COMMIT_NAMED = re.compile(r"\b[0-9a-f]{7,40}\b")
+# Result pages whose own rows name each run's commit, so a citing block need not.
+AGED_IN_THEIR_ROWS = {
+    "torch_range": "one row per torch release, each with the commit it tested",
+    "network_floor": "a summary of archived runs, each named with its commit inside",
+}
+
+
+def test_every_cited_result_shows_its_age():
+    # a result cited on a page says which commit it measured, in the same block, so a reader can
+    # tell a current figure from an old one (the evidence page and the index say it too)
+    missing = []
+    for path in DOCUMENTS:
+        if path.name == "CHANGELOG.md":  # each entry is its own age
+            continue
+        for line, block in _blocks(path.read_text()):
+            names = set(RESULT_MD_LINK.findall(block)) - set(AGED_IN_THEIR_ROWS)
+            if names and not COMMIT_NAMED.search(COMMENT.sub("", block)):
+                missing.append(f"{_relative(path)}:{line}: {sorted(names)}")
+    assert not missing, "results cited without the commit they measured (add 'at abc1234'):\n" + "\n".join(missing)

@@ -142,3 +142,65 @@ def test_the_headline_results_were_recorded_after_the_last_change_to_the_step(na
         f"(src/torchreplicate/reducer/): the README's headline is stale. Refresh it on a quiet machine: "
         f"{HEADLINES[name]}, then update the quoted cells (tests/test_doc_numbers.py names them)"
     )
+
+
+# The script that writes each current result, by name, where the JSON does not record its command line
+# (results recorded before issue 48); from then on env.argv names it.
+WRITERS = {
+    "ddp_bits_network": "bench_net",
+    "default_vs_tuned_network": "bench_net",
+    "network": "bench_net",
+    "ddp_": "bench_ddp",
+    "default_vs_tuned_loopback": "bench_ddp",
+    "comm_hooks": "bench_hooks",
+    "unused_parameters": "bench_dynamic",
+    "observer_cost": "bench_observe",
+    "first_steps": "bench_first_step",
+    "watchdog_scale": "bench_watchdog",
+    "torchft_recovery": "bench_torchft",
+    "issue3": "bench_before_after",
+}
+NOT_RENDERED = {"setup_times": "scripts/record_times.sh writes both files in shell; its .md is its own"}
+RENDERERS = ("markdown_tables", "markdown", "table_of", "table")  # each script's report -> markdown
+
+
+def rendered_again(path: Path) -> tuple[str, str]:
+    """A current result's .md rendered again from its .json by the script that writes it: (rendered, writer)."""
+    data = json.loads(path.read_text())
+    name = path.stem
+    if name == "torch_range":
+        spec = importlib.util.spec_from_file_location("range_record", ROOT / "scripts" / "range_record.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.markdown(data), "scripts/range_record.py"
+    argv = data.get("env", {}).get("argv")
+    writer = Path(argv[0]).stem if argv else next(s for prefix, s in WRITERS.items() if name.startswith(prefix))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        module = importlib.import_module(writer)
+        from benchlib.report import run_header
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    render = next(getattr(module, fn) for fn in RENDERERS if hasattr(module, fn))
+    return run_header(data) + "\n\n" + render(data), f"benchmarks/{writer}.py"
+
+
+def test_every_current_result_md_is_its_json_rendered_again(tmp_path):
+    # A .md edited by hand, or left from another run, differs from what its script renders from the
+    # .json: the pages quote the .json (cells), readers read the .md; both must say the same.
+    current = [p for p in sorted(RESULTS.glob("*.json")) if p.stem not in NOT_RENDERED]
+    assert len(current) >= 19, [p.name for p in current]
+    for path in current:
+        rendered, writer = rendered_again(path)
+        stored = path.with_suffix(".md").read_text()
+        assert rendered == stored, (
+            f"{path.with_suffix('.md').name} is not {path.name} as {writer} renders it: edit the .json "
+            "(a note goes in env.note) and render again, or record the run again"
+        )
+    # the check bites: a median edited in the .json no longer renders as the stored .md
+    data = json.loads((RESULTS / "ddp_bits_loopback_2.json").read_text())
+    data["world_size_2"]["mlp"]["ratios"]["ours/ddp"]["median"] += 0.01
+    planted = tmp_path / "ddp_bits_loopback_2.json"
+    planted.write_text(json.dumps(data))
+    assert rendered_again(planted)[0] != (RESULTS / "ddp_bits_loopback_2.md").read_text(), "the check must bite"

@@ -106,7 +106,7 @@ def source_info(module_file: Optional[str]) -> dict:
 
 
 def run_header(report: dict) -> str:
-    """One line for the markdown: what was measured, where, under what load."""
+    """One line for the markdown: what was measured, where, under what load (after ``env["note"]``, if any)."""
     env = report.get("env", {})
     src = env.get("source", {})
     git = env.get("git", {})
@@ -118,7 +118,8 @@ def run_header(report: dict) -> str:
     def load(v: Optional[list]) -> str:
         return "/".join(f"{x:.2f}" for x in v) if v else "?"
 
-    return (
+    note = f"_{env['note']}_\n\n" if env.get("note") else ""  # what the run's env cannot say (set by hand)
+    return note + (
         f"_torchreplicate {commit[:12]} ({where}), torch {env.get('torch', '?')}, {env.get('cpu_count', '?')} CPUs, "
         f"load average (1/5/15 min) {load(env.get('loadavg_start'))} at start, {load(env.get('loadavg_end'))} at end_"
     )
