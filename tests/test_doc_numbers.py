@@ -445,6 +445,7 @@ def documented_names() -> dict[str, str]:
 def test_every_documented_name_imports():
     pytest.importorskip("torchft", reason="the torchft extra: the pages document torchreplicate.integrations.torchft")
     pytest.importorskip("lightning", reason="the lightning extra: the pages document its strategies")
+    pytest.importorskip("ray.train.torch", reason="the ray extra: the pages document torchreplicate.integrations.ray")
     failed = []
     for name, where in sorted(documented_names().items()):
         try:

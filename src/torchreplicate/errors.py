@@ -307,7 +307,9 @@ def ddp_on_top_error(what: str, wrapper: str, rank: int) -> RuntimeError:
         "the model data-parallel: use it without the DDP wrapper. Under Hugging Face accelerate or "
         "transformers.Trainer, which wrap it for you: torchreplicate.integrations.accelerate "
         "(prepare_model, ReplicateAccelerator, ReplicateTrainer), or accelerator.prepare_model(model, "
-        "evaluation_mode=True), which prepares the model without the DDP wrap"
+        "evaluation_mode=True), which prepares the model without the DDP wrap. Under Ray Train, whose "
+        "ray.train.torch.prepare_model wraps it: torchreplicate.integrations.ray.prepare_model(model) "
+        "instead of replicate() and Ray's, or Ray's with parallel_strategy=None"
     )
 
 

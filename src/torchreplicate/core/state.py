@@ -65,15 +65,10 @@ from torchreplicate.torch_internals import (
 class ReplicateState:
     """What ``replicate()`` keeps for one module; ``replicate.state(module)``.
 
-    Read-only, for users: ``module`` (the replicated root, held weakly),
-    ``config`` (the validated options), ``params`` and ``param_names`` (the
-    replicated parameters and their fully qualified names), ``group`` and
-    ``world_size`` (the group averaged over), ``requires_gradient_sync`` (the
-    switch ``no_sync()`` and ``set_requires_gradient_sync`` set),
-    ``training_state`` (where the module is in its step), ``device`` (where
-    its own small collectives run) and ``reducer`` (the current reducer;
-    ``None`` at world size 1 or before the first plan). The rest is the
-    library's own.
+    For users, read-only: ``module``, ``config``, ``params``, ``param_names``,
+    ``group``, ``world_size``, ``requires_gradient_sync``, ``training_state``,
+    ``device`` (where its small collectives run) and ``reducer`` (``None`` at
+    world size 1). The rest is the library's own.
 
     Args:
         module: the root module ``replicate()`` was applied to.
