@@ -265,3 +265,27 @@ def test_the_page_renders_in_a_headless_browser(served, page, tmp_path):
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     _chromium(f"--screenshot={screenshot}", url, profile=tmp_path / "profile-shot")
     _assert_real_screenshot(screenshot)
+
+
+def test_every_page_links_resolve_as_plain_markdown():
+    # The pages read as plain Markdown too (a clone, a code host): each relative link names a file of
+    # the repository and, where it has one, a heading of that page. One mapping is the site's own:
+    # results/NAME is benchmarks/results/NAME (docs/hooks/results.py copies it there; the README says so).
+    broken, checked = [], 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            url = urlsplit(target)
+            if url.scheme or url.netloc:
+                continue
+            checked += 1
+            relative = unquote(url.path)
+            if relative.startswith("results/"):
+                relative = "../benchmarks/" + relative
+            path = (page.parent / relative).resolve() if relative else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}: no such file")
+            elif url.fragment and path.suffix == ".md" and url.fragment not in _markdown_anchors(path.read_text()):
+                broken.append(f"{page.name}: {target}: no such heading in {path.name}")
+    assert checked > 150, f"only {checked} relative links found on the pages"
+    assert not broken, "links that do not resolve as plain Markdown:\n" + "\n".join(broken)
