@@ -68,14 +68,16 @@ def test_wheel_installs_into_a_clean_venv_and_runs_a_two_rank_step(tmp_path):
     assert "torchreplicate/integrations/lightning/trainer.py" in names
     assert "torchreplicate/integrations/torchft.py" in names
     assert "torchreplicate/integrations/accelerate/prepare.py" in names
+    assert "torchreplicate/integrations/ray.py" in names
     assert "torchreplicate/integrations/options.py" in names  # what the Lightning and accelerate entry points share
     assert not any(n.startswith(("tests/", "tools/", "benchmarks/")) for n in names), names
-    for extra in ("plot", "lightning", "torchft", "accelerate", "test"):
+    for extra in ("plot", "lightning", "torchft", "accelerate", "ray", "test"):
         assert f"Provides-Extra: {extra}" in metadata, f"no [{extra}] extra in the wheel's metadata"
     assert 'matplotlib>=3.5; extra == "plot"' in metadata
     assert 'lightning>=2.6; extra == "lightning"' in metadata
     assert 'torchft>=0.2; extra == "torchft"' in metadata
     assert 'accelerate>=1.16; extra == "accelerate"' in metadata
+    assert 'ray[train]>=2.60; extra == "ray"' in metadata
 
     # nothing from the checkout: with PYTHONPATH=src, pip would take the build's
     # src/torchreplicate.egg-info for an installed torchreplicate and skip the wheel
