@@ -125,6 +125,16 @@ def test_rays_fsdp_strategy_is_refused_naming_what_to_do():
         prepare_model(nn.Linear(2, 2), parallel_strategy="fsdp")
 
 
+def test_options_that_would_be_ignored_or_given_twice_are_refused():
+    # before Ray's preparation, on every worker alike: nothing is silently dropped or overridden
+    with pytest.raises(
+        TypeError, match=r"parallel_strategy=None replicates nothing, so bucket_cap_mb would be ignored"
+    ):
+        prepare_model(nn.Linear(2, 2), parallel_strategy=None, bucket_cap_mb=10)
+    with pytest.raises(TypeError, match=r"bucket_cap_mb given both in parallel_strategy_kwargs and as options"):
+        prepare_model(nn.Linear(2, 2), parallel_strategy_kwargs={"bucket_cap_mb": 10}, bucket_cap_mb=25)
+
+
 def test_a_replicated_model_is_refused_and_ddp_on_top_names_this_path():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -60,6 +60,7 @@ def prepare_model(
 
     Raises:
         ValueError: ``parallel_strategy`` is neither ``"ddp"`` nor None.
+        TypeError: options with ``parallel_strategy=None`` (nothing to replicate), or an option given twice.
         RuntimeError: the model is already replicated.
     """
     if parallel_strategy not in ("ddp", None):
@@ -68,6 +69,13 @@ def prepare_model(
             "default). For sharding, use torch's fully_shard on the model yourself (replicate() composes with "
             "it: docs/migration.md, With fully_shard) and pass parallel_strategy=None, or use Ray's own "
             "ray.train.torch.prepare_model(model, parallel_strategy='fsdp') without torchreplicate"
+        )
+    given = {**(parallel_strategy_kwargs or {}), **options}
+    if parallel_strategy is None and given:
+        raise TypeError(f"{_NAME}: parallel_strategy=None replicates nothing, so {', '.join(given)} would be ignored")
+    if twice := sorted(set(parallel_strategy_kwargs or {}) & set(options)):
+        raise TypeError(
+            f"{_NAME}: {', '.join(twice)} given both in parallel_strategy_kwargs and as options; pass it once"
         )
     refuse_replicated(model, _NAME)
     checked = check_replicate_options(options, _NAME, role="Ray Train", also="")
