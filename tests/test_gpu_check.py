@@ -30,7 +30,7 @@ def run_script(*args, out):
         env={**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(out)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=400,
     )
 
 
@@ -59,3 +59,22 @@ def test_a_failing_or_stuck_check_gives_its_errors_last_line_and_is_killed_at_it
     ok, line, _ = gpu_check.in_own_process(["--one", "preflight:gloo"], 1)  # importing torch takes longer
     assert not ok and line == "timed out after 1 s (killed)"
     assert gpu_check.last_line("Traceback ...\n  File x\nValueError: the point\n\n") == "ValueError: the point"
+
+
+@pytest.mark.timeout(600)
+def test_every_checks_body_runs_on_the_cpu_before_the_gpu_run(tmp_path):
+    # --cpu: each body on the CPU with gloo and small models, in its own process, as on the GPU; the
+    # three with nothing to run on a CPU say so. (The sync audit's counter failing on a planted read
+    # in bucket.py's launch was checked by hand: "plain step 3: reads {'reducer/bucket.py (__float__)': 2}".)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_check
+
+    done = run_script("--cpu", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    gpu_only = {c.name for c in gpu_check.CHECKS if c.gpu_only}
+    assert gpu_only == {"memory", "pytest_cuda", "stall"}
+    for check in gpu_check.CHECKS:
+        assert f"{'N/A' if check.name in gpu_only else 'PASS'} {check.name}" in done.stdout, done.stdout
+    assert "11 shapes, steady steps: host reads as expected" in done.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["cpu"] is True and all(r["ok"] for r in summary["results"]), summary
