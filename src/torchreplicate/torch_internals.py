@@ -399,7 +399,25 @@ def active_ddp_module() -> Any:
     be averaged twice. DDP's python-reducer mode (compiled autograd) does not
     set it, and is not noticed.
     """
-    return getattr(DistributedDataParallel, "_active_ddp_module", None)
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    return active if isinstance(active, DistributedDataParallel) else None  # not ours (swap_active_ddp_module)
+
+
+def swap_active_ddp_module(value: Any) -> Any:
+    """Sets DDP's class attribute ``_active_ddp_module`` to ``value``; returns what it held.
+
+    torch's compiler reads it when it converts a frame: where it is set and
+    ``torch._dynamo.config.optimize_ddp`` is on (the default), dynamo's
+    ``DDPOptimizer`` splits the frame's graph at buckets of
+    ``value.bucket_bytes_cap`` bytes, the only attribute it reads
+    (torch/_dynamo/convert_frame.py; the same on 2.8.0, 2.9.1, 2.11.0,
+    2.13.0, 2.14.1 and 2.15.0). torch's composable ``replicate`` sets it
+    around its forward the same way ([Note: compiled backward split at
+    bucket boundaries] in core/compile_split.py).
+    """
+    previous = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    DistributedDataParallel._active_ddp_module = value
+    return previous
 
 
 def ddp_reduces_any(ddp: Any, params: Sequence[torch.Tensor]) -> bool:

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.core import lazy, nested, setup
 from torchreplicate.core.buffers import BufferSync
+from torchreplicate.core.compile_split import BucketCap
 from torchreplicate.core.mixed_precision import MixedPrecision
 from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
@@ -58,6 +59,7 @@ from torchreplicate.torch_internals import (
     ddp_reduces_any,
     join_enabled,
     moved_to,
+    swap_active_ddp_module,
     tensors_in,
 )
 
@@ -79,9 +81,8 @@ class ReplicateState:
     def __init__(
         self, module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup] = None
     ) -> None:
-        # - Identity. The registry maps module -> state weakly; a strong
-        #   reference back would keep every replicated model (and its process
-        #   group) alive until interpreter exit.
+        # - Identity. The registry maps module -> state weakly; a strong reference back would keep every
+        #   replicated model (and its process group) alive until interpreter exit.
         self._module_ref = weakref.ref(module)  # the replicated root
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
@@ -103,15 +104,14 @@ class ReplicateState:
         self.planned_stamp: tuple[int, ...] = ()  # stamp() when planned; each forward compares
         self.lazy = lazy.LazyModules()  # lazy modules left out of the plan until they materialise
         self._num_noted_changes = 0  # note_change() calls: .to(), .double(), a new ignore list, ...
-        # - Reduction. How gradients are reduced (from the options, or a
-        #   registered comm hook) and whether they are: kept here, so every
-        #   reducer built for the module (also after a re-plan) shares them.
+        # - Reduction. How gradients are reduced (from the options, or a registered comm hook) and whether
+        #   they are: kept here, so every reducer built for the module (also after a re-plan) shares them.
         self.reduction: Reduction = AllReduce(config.wire_dtype, config.gradient_divide_factor)
         # mp_policy: casts around every forward, re-installed at each plan (mixed_precision.py)
         self.mixed = None if config.mp_policy is None else MixedPrecision(config.mp_policy)
-        # tied parameters' first use detached ([Note: tied parameters]): a plan's,
-        # None where its reducer splits none (setup.py); a comm hook drops it
+        # tied parameters' first use detached ([Note: tied parameters]); None where none is split or with a comm hook
         self.tied: Optional[TiedUses] = None
+        self.bucket_cap = BucketCap(config)  # dynamo splits graphs compiled in the forward at it (compile_split.py)
         self.sync = SyncSwitch()  # set_requires_gradient_sync(), read by the reducer at backward
         self.buffer_sync = BufferSync(config)  # when and which buffers are broadcast ([Note: buffer sync])
         self.clock = TrainingClock()  # optimizer steps over the replicated parameters ([Note: desync detection])
@@ -414,6 +414,7 @@ class ReplicateState:
             raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
         if torch.is_grad_enabled() and not self.nested:
             self._sync_before_forward()
+        self.bucket_cap.outer = swap_active_ddp_module(self.bucket_cap)  # [Note: compiled backward split at ...]
         moved = None
         if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
             moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
@@ -455,6 +456,7 @@ class ReplicateState:
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # After every forward of the root; returns the (cast) output.
+        swap_active_ddp_module(self.bucket_cap.outer)
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.FORWARD:
             lifecycle.now = TrainingState.IDLE

@@ -1,0 +1,46 @@
+"""Compiled graphs split at bucket boundaries, so that buckets leave while a compiled backward runs.
+
+[Note: compiled backward split at bucket boundaries]
+Under ``torch.compile`` the backward of one compiled graph is one autograd
+node: every gradient of the graph appears when that node ends, so no bucket
+can leave before the whole backward has been computed, and communication
+that eager training hides behind the backward is exposed. DDP avoids this
+with dynamo's ``DDPOptimizer`` (torch/_dynamo/backends/distributed.py): a
+frame compiled while a DDP forward runs is split into subgraphs at DDP's
+bucket boundaries (``bucket_bytes_cap``, the first one at 1 MiB), each with
+its own backward node, so the last layers' buckets launch while the earlier
+layers' backward runs. No graph break: ``fullgraph=True`` still holds.
+
+Dynamo learns that a DDP forward runs from DDP's class attribute
+``_active_ddp_module`` (torch_internals.py's ``swap_active_ddp_module``),
+as torch's own composable ``replicate`` sets it around its forward. Ours
+sets it to a ``BucketCap`` (the one attribute dynamo reads) from the root's
+pre-forward hook to its post-forward hook, so every frame compiled inside
+the forward (the whole model, or each block compiled alone as torchtitan
+does) is split at our buckets' cap. ``torch._dynamo.config.optimize_ddp =
+False`` turns the split off, as for DDP. A forward that raises leaves it
+set until the next forward ends: graphs compiled meanwhile are split too
+(a graph without parameters is left whole).
+
+Measured (benchmarks/bench_compile.py, 8 x Linear(1024), 8 buckets, two
+hosts at 5 Gbit/s): see docs/performance.md, "torch.compile".
+"""
+
+from __future__ import annotations
+
+from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB, ReplicateConfig
+
+
+class BucketCap:
+    """What dynamo reads of the DDP module whose forward runs: ``bucket_bytes_cap``.
+
+    Args:
+        config: the module's options; the cap is ``bucket_cap_mb`` (DDP's 25
+            MiB where ``bucket_layout="tuned"`` measures it), at least 1 MiB:
+            ``DDPOptimizer`` refuses a cap below its first bucket's (1 MiB),
+            which DDP's own ``bucket_cap_mb < 1`` meets under compile.
+    """
+
+    def __init__(self, config: ReplicateConfig) -> None:
+        self.bucket_bytes_cap = max(config.cap_bytes or int(DDP_DEFAULT_CAP_MB * MiB), MiB)
+        self.outer: object = None  # what the attribute held before this forward (an enclosing forward's)
