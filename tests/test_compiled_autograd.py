@@ -127,3 +127,44 @@ def hook_under_compiled_autograd(rank: int, world_size: int) -> str:
 def test_comm_hook_refused_under_compiled_autograd_on_every_rank(pools):
     messages = pools.run(2, hook_under_compiled_autograd, timeout_s=240)
     assert len(set(messages)) == 1, messages
+
+
+class Fused(NamedTuple):
+    ddp_buckets: object  # inductor's count of fused all-reduce buckets (None: no fusion ran)
+    fusion_while_on: bool  # inductor's _fuse_ddp_communication during the compiled step
+    fusion_after: bool  # ... after a forward with compiled autograd off
+
+
+def fused_under_compiled_autograd(rank: int, world_size: int) -> Fused:
+    # inductor (not aot_eager): its post-grad passes fuse the traced all-reduces into buckets, as DDP's
+    import gc
+
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    gc.collect()  # the earlier tests' models, compiled-autograd trained in this process, let go of the fusion
+    assert not config._fuse_ddp_communication, "inductor's fusion left on by a collected model"
+    counters.clear()
+    with _CompiledAutograd(fullgraph=False):
+        model = replicate(seeded(_net, 3 + rank))
+        reference = seeded(_net, 3)
+
+        @torch.compile
+        def step(x: torch.Tensor) -> None:
+            model(x).pow(2).mean().backward()
+
+        step(data(rank, 0))
+        fused, on = counters["inductor"].get("ddp_buckets"), bool(config._fuse_ddp_communication)
+        torch.stack([reference(data(r, 0)).pow(2).mean() for r in range(world_size)]).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+    model.zero_grad()
+    model(data(rank, 1)).pow(2).mean().backward()  # compiled autograd off: inductor's config as it was
+    dist.barrier()
+    return Fused(fused, on, bool(config._fuse_ddp_communication))
+
+
+def test_compiled_autograd_all_reduces_are_fused_into_buckets_as_ddps(pools):
+    for r in pools.run(2, fused_under_compiled_autograd, timeout_s=300):
+        assert r.ddp_buckets == 1, f"inductor fused the traced all-reduces into {r.ddp_buckets} buckets, not 1"
+        assert r.fusion_while_on and not r.fusion_after, r

@@ -349,6 +349,23 @@ def compiled_autograd_enabled() -> bool:
     return dynamo is not None and bool(getattr(dynamo.config, "compiled_autograd", False))
 
 
+def swap_ddp_fusion(values: tuple[bool, float]) -> tuple[bool, float]:
+    """Sets inductor's ``_fuse_ddp_communication`` and ``_fuse_ddp_bucket_size`` (MB); returns what they held.
+
+    With them on, inductor fuses the all-reduces of DDP's Python reducer (a
+    gradient divided, all-reduced by a functional collective, copied back:
+    the same nodes as ours under compiled autograd) into buckets of that
+    size (torch/_inductor/fx_passes/ddp_fusion.py). DDP turns them on at
+    construction under compiled autograd. Private config of torch's compiler,
+    the same on 2.8.0, 2.9.1, 2.11.0, 2.13.0, 2.14.1 and 2.15.0.
+    """
+    from torch._inductor import config
+
+    previous = (bool(config._fuse_ddp_communication), float(config._fuse_ddp_bucket_size))
+    config._fuse_ddp_communication, config._fuse_ddp_bucket_size = values  # type: ignore[assignment]
+    return previous
+
+
 def traced_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     """A sum over the group that compiled autograd can trace into its graph.
 

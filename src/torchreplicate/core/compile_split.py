@@ -24,11 +24,25 @@ set until the next forward ends: graphs compiled meanwhile are split too
 
 Measured (benchmarks/bench_compile.py, 8 x Linear(1024), 8 buckets, two
 hosts at 5 Gbit/s): see docs/performance.md, "torch.compile".
+
+Under compiled autograd the gradient hooks are traced into the backward
+graph, one functional all-reduce per gradient ([Note: compiled autograd] in
+reducer/reduction.py), the nodes DDP's Python reducer makes. DDP turns on
+inductor's fusion of those into buckets (``_fuse_ddp_communication``) at
+construction, for good. Ours turns it on (at ``bucket_cap_mb``) from a
+forward where compiled autograd is on, so the backward compiled after it
+fuses, and restores what it held once no replicated module asks for it
+(each lets go at its first forward with compiled autograd off, or when it
+is collected): a global of torch's compiler, set only while compiled
+autograd trains a replicated model.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB, ReplicateConfig
+from torchreplicate.torch_internals import swap_ddp_fusion
 
 
 class BucketCap:
@@ -44,3 +58,27 @@ class BucketCap:
     def __init__(self, config: ReplicateConfig) -> None:
         self.bucket_bytes_cap = max(config.cap_bytes or int(DDP_DEFAULT_CAP_MB * MiB), MiB)
         self.outer: object = None  # what the attribute held before this forward (an enclosing forward's)
+        self.fusing = False  # this module asked for inductor's fusion (compiled autograd was on at its last forward)
+        weakref.finalize(self, _ask_fusion, id(self), False).atexit = False  # a module collected lets go
+
+    def follow(self, compiled_autograd: bool) -> None:
+        """Before a forward: inductor's DDP fusion on while compiled autograd is (see the Note), else as it was."""
+        if compiled_autograd is not self.fusing:
+            self.fusing = compiled_autograd
+            _ask_fusion(id(self), compiled_autograd, self.bucket_bytes_cap / MiB)
+
+
+_FUSING: set[int] = set()  # the BucketCaps (ids) that asked for inductor's fusion and have not let go
+_SAVED: list[tuple[bool, float]] = []  # inductor's values before the first of them asked
+
+
+def _ask_fusion(owner: int, on: bool, cap_mb: float = 0.0) -> None:
+    """Inductor's DDP fusion on while any owner asks (at the first one's cap), as it was once none does."""
+    if on and owner not in _FUSING:
+        if not _FUSING:
+            _SAVED[:] = [swap_ddp_fusion((True, cap_mb))]
+        _FUSING.add(owner)
+    elif not on and owner in _FUSING:
+        _FUSING.discard(owner)
+        if not _FUSING:
+            swap_ddp_fusion(_SAVED.pop())

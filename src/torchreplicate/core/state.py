@@ -195,8 +195,7 @@ class ReplicateState:
                 "(all ignored, frozen or managed by fully_shard)"
             )
         if self.reducer is None:
-            # World size 1 runs no reducer until a hook asks for one; it cannot
-            # have counted backwards, so forwards stand in for them.
+            # World size 1 runs no reducer until a hook asks for one; forwards stand in for its backwards.
             if self.num_forwards:
                 raise RuntimeError(
                     f"register_comm_hook(): training already ran {self.num_forwards} forward(s); "
@@ -430,6 +429,7 @@ class ReplicateState:
         # collective, so one rank may evaluate alone ([Note: re-planning]).
         if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
+        self.bucket_cap.follow(compiled_autograd_enabled())  # inductor fuses the traced all-reduces (compile_split.py)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise graph_capture_error(class_name(self.module))  # before any collective, never half captured
         lifecycle = self.lifecycle
