@@ -42,7 +42,10 @@ compares, it compares with plain local training or with DDP on the device:
 7. ``memory``: peak CUDA memory of 3 steps, each engine in its own process.
 8. ``pytest_cuda``: the suite's CUDA-marked tests (tests/test_cuda.py).
 9. ``compile``: ``torch.compile`` of the replicated model against eager.
-10. ``stall``: last, a 3 s device stall in a step with ``stall_timeout=1``:
+10. ``observers``: the step recorder on the device's clock (CUDA events on
+    the stream): records one step late, a 30 ms device sleep per step in
+    its step time while the host runs ahead.
+11. ``stall``: last, a 3 s device stall in a step with ``stall_timeout=1``:
     the in-step read polls its event through the watchdog (the host does
     not spin); printed stage by stage, so a killed run still says where.
 
@@ -80,15 +83,16 @@ class Check(NamedTuple):
 
 # In order of risk; the limits add up to BUDGET_S with the preflight (scripts/gpu_check.sh: 300 s in all).
 CHECKS = [
-    Check("sync_audit", body.check_sync_audit, 1, 35),
+    Check("sync_audit", body.check_sync_audit, 1, 30),
     Check("ws1_bitwise", body.check_ws1_bitwise, 1, 15),
     Check("stressed", body.check_stressed, 1, 20),
     Check("precision", body.check_precision, 1, 20),
     Check("gloo2_vs_ddp", body.check_gloo2_vs_ddp, 2, 25),
     Check("overhead", body.check_overhead, 1, 40),
     Check("memory", body.check_memory, 0, 30, "peak CUDA memory"),
-    Check("pytest_cuda", lambda: body.run_pytest(35 - 5), 0, 35, "the CUDA-marked tests skip without a GPU"),
-    Check("compile", body.check_compile, 1, 30),
+    Check("pytest_cuda", lambda: body.run_pytest(30 - 5), 0, 30, "the CUDA-marked tests skip without a GPU"),
+    Check("compile", body.check_compile, 1, 25),
+    Check("observers", body.check_observers, 1, 15),
     Check("stall", body.check_stall, 1, 20, "on a CPU the in-step read waits on gloo, not on a device event"),
 ]
 CHECKS_BY_NAME = {check.name: check for check in CHECKS}

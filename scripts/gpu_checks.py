@@ -386,6 +386,47 @@ def check_compile() -> str:
     return "torch.compile: gradients within 1e-4 of eager"
 
 
+def device_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per ms of this GPU (timed by CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def check_observers() -> str:
+    """The step recorder on the module's device clock (observe/timeline.py): on CUDA each record comes
+    one step late, and its step time is the device's (a 30 ms device sleep per step shows in it while
+    the host runs ahead); on the CPU, the host's clock and no delay."""
+    from torchreplicate.observe import timeline
+
+    ws1()
+    model, records = with_reducer(bn_model()), []
+    recorder = timeline.subscribe(model, records.append)
+    clock = type(recorder.clock).__name__
+    assert clock == ("DeviceClock" if CUDA else "HostClock"), clock
+    cycles = int(30 * device_cycles_per_ms()) if CUDA else 0
+    data, delay = batch(0, 0), recorder.clock.delay
+    for i in range(5):
+        out = model(data[0])
+        out = Stall.apply(out, cycles) if CUDA else out
+        nn.functional.cross_entropy(out, data[1]).backward()
+        assert len(records) == i + 1 - delay, f"step {i}: {len(records)} records, delay {delay}"
+    recorder.flush()
+    timeline.unsubscribe(model, records.append)
+    step_ms = [(b.end_ns - a.end_ns) / 1e6 for a, b in zip(records[:-1], records[1:], strict=True)]
+    exposed = [r.exposed_ns / 1e6 for r in records]
+    assert len(records) == 5 and all(e >= 0 for e in exposed), (len(records), exposed)
+    if CUDA:
+        assert min(step_ms) >= 25, f"the device clock missed the 30 ms device sleep per step: {step_ms}"
+    done()
+    return (
+        f"{clock}, delay {delay}: step ms {[round(m, 1) for m in step_ms]}, exposed ms {[round(e, 2) for e in exposed]}"
+    )
+
+
 class Stall(torch.autograd.Function):
     """Identity; its backward keeps the device busy ``cycles`` (the step's last gradient waits on it)."""
 
@@ -414,12 +455,7 @@ def check_stall() -> str:
     state.probe.watch.look_at_peers = lambda waited: (looks.append(waited), look(waited))[-1]  # type: ignore[method-assign]
     data = batch(0, 0)
     step(model, sgd(model, 0.0), data)  # the first step learns; the stall comes in the second
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)  # the device's clock: cycles per ms
-    end.record()
-    end.synchronize()
-    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    cycles_per_ms = device_cycles_per_ms()
     print(f"stall: {cycles_per_ms:.0f} cycles per ms", flush=True)
     wall, cpu = time.perf_counter(), time.process_time()
     out = Stall.apply(model(data[0]), int(3000 * cycles_per_ms))  # its backward: 3 s on the device, first

@@ -6,10 +6,14 @@ every rank) the end of that step's backward gathers one small tensor per rank (o
 collective), and every rank builds the same ``StepSummary``; rank 0 logs it to the
 ``"torchreplicate"`` logger. No collective at any other step.
 
-What the numbers mean, per rank and averaged over the window's steps:
+What the numbers mean, per rank and averaged over the window's steps, on
+the rank's clock: the host's on the CPU, the device's (timing events on
+its stream) on an accelerator ([Note: one clock for the observers] in
+timeline.py; there the figures of a step arrive one step later):
 
 - step time: wall time per synchronised step (end of one step's backward to
-  the end of the next; the first window starts at ``log_summary()``);
+  the end of the next; the first window starts at ``log_summary()``; a
+  report's own all-gather falls in the next window);
 - exposed communication: time the end of backward waited for buckets, plus
   late rounds (collectives not hidden behind the backward);
 - busy: step time minus exposed communication: what the rank spent on its
@@ -28,8 +32,7 @@ collectives, a data loader) count as busy on the rank that waits there.
 from __future__ import annotations
 
 import logging
-import time
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -222,13 +225,14 @@ class SummaryLogger:
         self.log_rank = log_rank
         self._model: Optional[nn.Module] = model  # until stop()
         self._rank = dist.get_rank(state.group)
-        # - The window being summed (this rank's own steps)
-        self._window_start_ns = time.perf_counter_ns()
-        self._first_step = -1  # none yet
-        self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0
         # - Reports
         self.last: Optional[StepSummary] = None  # the latest, on every rank
-        subscribe(model, self._on_step)
+        # - The window being summed (this rank's own steps), on the recorder's clock
+        self._first_step = -1  # none yet
+        self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0
+        self._clock = subscribe(model, self._on_step).clock
+        self._start: Any = self._clock.mark()  # the first window's start: a mark, read at its report
+        self._start_ns: Optional[int] = None  # later windows': the last report's step end
 
     def stop(self) -> None:
         """Stops reporting (no more collectives). Idempotent."""
@@ -261,7 +265,8 @@ class SummaryLogger:
         state = get_state(self._model)
         assert state.reducer is not None, "a step ended, so a reducer ran it"
         view = state.reducer.info
-        sums = [self._num_steps, record.end_ns - self._window_start_ns, self._exposed_ns, self._wire_bytes]
+        start_ns = self._clock.ns(self._start) if self._start_ns is None else self._start_ns
+        sums = [self._num_steps, record.end_ns - start_ns, self._exposed_ns, self._wire_bytes]
         mine = torch.tensor(sums + [self._comm_span_ns, self._first_step], dtype=torch.float64, device=view.device)
         table = torch.zeros(dist.get_world_size(state.group), mine.numel(), dtype=mine.dtype, device=mine.device)
         table[self._rank] = mine
@@ -269,6 +274,6 @@ class SummaryLogger:
         self.last = summary = summarize(table.tolist(), self._first_step, record.step)
         if self.log_rank is None or self.log_rank == self._rank:
             logger.log(self.level, summary.line())
-        self._window_start_ns = time.perf_counter_ns()  # the next window excludes this report
+        self._start_ns = record.end_ns  # the next window starts at this step's end
         self._first_step = -1
         self._num_steps = self._exposed_ns = self._wire_bytes = self._comm_span_ns = 0

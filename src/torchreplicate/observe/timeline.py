@@ -1,26 +1,44 @@
-"""The timeline of every synchronised backward, as plain records: what ``log_summary()`` reads.
+"""The timeline of every synchronised backward, as plain records: what ``log_summary()`` and ``trace()`` read.
 
 ``StepRecorder`` is a ``StepEvents`` observer (reducer/probe.py): the
-module's probe calls it at the points of a step, it notes a
-``time.perf_counter_ns()`` at each, and at the end of the step hands one
-``StepRecord`` to its subscribers (the summary of summary.py, and the
-benchmarks' timelines: a picture of the steps needs no recorder, ``trace()``
-reads the same points from ``torch.profiler``). One recorder per replicated
-module (``replicate.state(model).events``), so several subscribers on the
-same model share it; it is detached when its last subscriber leaves, so a model
+module's probe calls it at the points of a step, it marks the time at each
+on its clock, and hands one ``StepRecord`` per step to its subscribers (the
+summary of summary.py, ``trace()``'s exposed communication per step, and
+the benchmarks' timelines). One recorder per replicated module
+(``replicate.state(model).events``), so several subscribers on the same
+model share it; it is detached when its last subscriber leaves, so a model
 nobody observes pays one attribute check per point ([Note: observer cost] in
-probe.py). ``grad``, called once per accumulation into a ``.grad``, reads
-the clock only for the first gradient of each bucket. Ready is not an event
+probe.py). ``grad``, called once per accumulation into a ``.grad``, marks
+the time only for the first gradient of each bucket. Ready is not an event
 of its own: a bucket launched from a gradient hook was ready then; one
 launched from the end of backward was ready when the end of backward started.
+
+[Note: one clock for the observers]
+Exposed communication is the time the step waited for its collectives. On
+the CPU (gloo) the host waits in them, so the host's clock measures it
+(``HostClock``). On an accelerator (NCCL) the host does not wait: a wait
+only orders the device's stream, so host time around it reads about 0 and
+hides a straggler. There the marks are timing events recorded on the
+current stream (``DeviceClock``): "waiting" is when the stream reached the
+wait, "done" when it could go on, after the collective; their difference is
+the time the device's compute waited. Reading an event's time waits for it,
+so on a device each step's record is built one step later, at the end of
+the next synchronised step (by then its events are done, unless the device
+is more than a step behind the host, when the recorder waits for them),
+the same step on every rank, so a subscriber's collective (the summary's)
+stays in step; ``flush()`` delivers the rest (``trace()`` at its exit).
+Every observer reads exposure from these records: one definition
+(``StepRecord.exposed_ns``), one clock per device.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from torchreplicate.core.registry import get_state
@@ -28,9 +46,56 @@ from torchreplicate.core.registry import get_state
 Subscriber = Callable[["StepRecord"], None]
 
 
+class HostClock:
+    """Marks are ``time.perf_counter_ns()``: for the CPU, where gloo's waits block the host."""
+
+    delay = 0  # a step's record is built at its own end
+
+    def mark(self) -> Any:
+        """Now."""
+        return time.perf_counter_ns()
+
+    def ns(self, mark: Any) -> int:
+        """A mark in ns."""
+        return int(mark)
+
+
+class DeviceClock:
+    """Marks are timing events on ``device``'s current stream ([Note: one clock for the observers]).
+
+    Args:
+        device: the module's collective device (cuda:0, ...).
+    """
+
+    delay = 1  # a step's record is built at the end of the next step
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.origin: Optional[Any] = None  # the first mark: ns count from it
+
+    def mark(self) -> Any:
+        """An event recorded now on the current stream."""
+        event = torch.Event(self.device, enable_timing=True)
+        event.record(torch.accelerator.current_stream(self.device))
+        if self.origin is None:
+            self.origin = event
+        return event
+
+    def ns(self, mark: Any) -> int:
+        """A mark in ns since the origin (waits for the event where it is not done yet)."""
+        assert self.origin is not None, "a mark was made"
+        mark.synchronize()
+        return round(float(self.origin.elapsed_time(mark)) * 1e6)
+
+
+def clock_for(device: torch.device) -> Any:
+    """The clock of a module whose collectives run on ``device``."""
+    return HostClock() if device.type == "cpu" else DeviceClock(device)
+
+
 @dataclass(frozen=True)
 class BucketTimes:
-    """One bucket in one step, in ``time.perf_counter_ns()`` of its rank.
+    """One bucket in one step, in ns of its rank's clock (``HostClock``, ``DeviceClock``).
 
     Attributes:
         index: the bucket's index (its launch order).
@@ -61,7 +126,7 @@ class BucketTimes:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One synchronised backward on one rank (``perf_counter_ns`` of that rank).
+    """One synchronised backward on one rank, in ns of that rank's clock (``HostClock``, ``DeviceClock``).
 
     Attributes:
         step: the synchronised backward's number (0 for the first; the same
@@ -103,30 +168,36 @@ class StepRecorder:
     """The step observer (probe.py's ``StepEvents``) that turns the reducer's events into ``StepRecord``s.
 
     Attach it with ``subscribe(model, fn)``, which shares one recorder per
-    module; ``fn(record)`` runs at the end of every synchronised backward, on
+    module; ``fn(record)`` runs at the end of every synchronised backward
+    (on a device, of the next one: [Note: one clock for the observers]), on
     the training thread, inside the reducer's end-of-backward callback (a
     collective there is fine if every rank makes it at the same step).
+
+    Args:
+        clock: ``HostClock()`` (default) or ``DeviceClock(device)``.
     """
 
-    def __init__(self) -> None:
-        # - Who hears about finished steps
+    def __init__(self, clock: Optional[Any] = None) -> None:
+        # - Who hears about finished steps, and the clock of the marks
         self.subscribers: list[Subscriber] = []
-        # - The step in progress ([Note: observer cost] in probe.py): reset at `backward`
+        self.clock = clock if clock is not None else HostClock()
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()  # steps marked, not yet built
+        # - The step in progress ([Note: observer cost] in probe.py): reset at `backward`; marks of the clock
         self._step = -1
-        self._backward_ns = 0
-        self._finalize_ns = 0
-        self._first_grad: dict[int, int] = {}  # bucket -> first gradient
-        self._launch: dict[int, tuple[int, bool]] = {}  # bucket -> (launched, from a hook)
-        self._wait: dict[int, int] = {}  # bucket -> the end of backward started waiting
-        self._done: dict[int, int] = {}  # bucket -> reduced gradients in place
-        self._late: list[int] = []  # late round starts and ends, alternating
-        self._replan_ns: Optional[int] = None  # a re-plan before this step
+        self._backward_ns: Any = 0
+        self._finalize_ns: Any = 0
+        self._first_grad: dict[int, Any] = {}  # bucket -> first gradient
+        self._launch: dict[int, tuple[Any, bool]] = {}  # bucket -> (launched, from a hook)
+        self._wait: dict[int, Any] = {}  # bucket -> the end of backward started waiting
+        self._done: dict[int, Any] = {}  # bucket -> reduced gradients in place
+        self._late: list[Any] = []  # late round starts and ends, alternating
+        self._replan_ns: Optional[Any] = None  # a re-plan before this step
 
     # -- probe.StepEvents ----------------------------------------------------
 
     def backward(self, step: int) -> None:
         """The synchronised backward of ``step`` started."""
-        self._backward_ns = time.perf_counter_ns()
+        self._backward_ns = self.clock.mark()
         self._step = step
         self._finalize_ns = 0
         self._first_grad, self._launch, self._wait, self._done, self._late = {}, {}, {}, {}, []
@@ -134,46 +205,71 @@ class StepRecorder:
     def grad(self, bucket: int) -> None:
         """A gradient was accumulated into ``bucket``; only the first one per step is timed."""
         if bucket not in self._first_grad:
-            self._first_grad[bucket] = time.perf_counter_ns()
+            self._first_grad[bucket] = self.clock.mark()
 
     def launch(self, bucket: int, from_hook: bool) -> None:
         """``bucket``'s collective started."""
-        self._launch[bucket] = (time.perf_counter_ns(), from_hook)
+        self._launch[bucket] = (self.clock.mark(), from_hook)
 
     def finalize(self, step: int) -> None:
         """The end-of-backward work started."""
-        self._finalize_ns = time.perf_counter_ns()
+        self._finalize_ns = self.clock.mark()
 
     def waiting(self, bucket: int) -> None:
         """The end of backward started waiting for ``bucket``."""
-        self._wait[bucket] = time.perf_counter_ns()
+        self._wait[bucket] = self.clock.mark()
 
     def done(self, bucket: int) -> None:
         """``bucket``'s reduced gradients are in place."""
-        self._done[bucket] = time.perf_counter_ns()
+        self._done[bucket] = self.clock.mark()
 
     def late_round(self, started: bool) -> None:
         """A late round started or ended."""
-        self._late.append(time.perf_counter_ns())
+        self._late.append(self.clock.mark())
 
     def replan(self, step: int) -> None:
         """The module re-planned before ``step``."""
-        self._replan_ns = time.perf_counter_ns()
+        self._replan_ns = self.clock.mark()
 
     def step_end(self, step: int, wire_bytes: int) -> None:
-        """``step`` is complete: builds its record and hands it to every subscriber."""
-        end_ns = time.perf_counter_ns()
-        finalize_ns = self._finalize_ns or end_ns
-        backward_ns = self._backward_ns if self._step == step else finalize_ns
-        buckets = tuple(
-            BucketTimes(i, self._first_grad.get(i), t if hook else finalize_ns, t, hook, self._wait.get(i, done), done)
-            for i, done in sorted(self._done.items())
-            for t, hook in [self._launch.get(i, (finalize_ns, False))]  # (launched, from a hook)
-        )
-        late = self._late
-        late_rounds = tuple((late[i], late[i + 1]) for i in range(0, len(late) - 1, 2))
-        record = StepRecord(step, backward_ns, finalize_ns, end_ns, buckets, late_rounds, wire_bytes, self._replan_ns)
+        """``step`` is complete: its marks wait for their record (built now on the host clock, at the
+        next step's end on a device), and every record due is handed to every subscriber."""
+        end = self.clock.mark()
+        finalize = self._finalize_ns if self._finalize_ns else end
+        backward = self._backward_ns if self._step == step else finalize
+        late = (*self._late,)
+        marks = (step, backward, finalize, end, dict(self._first_grad), dict(self._launch), dict(self._wait))
+        self._pending.append((*marks, dict(self._done), late, wire_bytes, self._replan_ns))
         self._replan_ns = None
+        while len(self._pending) > self.clock.delay:
+            self._deliver(self._pending.popleft())
+
+    def flush(self) -> None:
+        """Builds and hands out every step marked and not delivered yet (on a device, waits for its events)."""
+        while self._pending:
+            self._deliver(self._pending.popleft())
+
+    def _deliver(self, marked: tuple[Any, ...]) -> None:
+        step, backward, finalize, end, first_grad, launch, wait, done, late, wire_bytes, replan = marked
+        ns = self.clock.ns
+        finalize_ns = ns(finalize)
+        buckets = []
+        for i, done_mark in sorted(done.items()):
+            done_ns = ns(done_mark)
+            t, hook = launch.get(i, (finalize, False))  # (launched, from a hook)
+            t_ns = ns(t)
+            first = first_grad.get(i)
+            waited = ns(wait[i]) if i in wait else done_ns
+            buckets.append(
+                BucketTimes(
+                    i, None if first is None else ns(first), t_ns if hook else finalize_ns, t_ns, hook, waited, done_ns
+                )
+            )
+        late_rounds = tuple((ns(late[i]), ns(late[i + 1])) for i in range(0, len(late) - 1, 2))
+        replan_ns = None if replan is None else ns(replan)
+        record = StepRecord(
+            step, ns(backward), finalize_ns, ns(end), tuple(buckets), late_rounds, wire_bytes, replan_ns
+        )
         for subscriber in list(self.subscribers):
             subscriber(record)
 
@@ -194,7 +290,7 @@ def subscribe(model: nn.Module, subscriber: Subscriber) -> StepRecorder:
     state = get_state(model)
     recorder = state.events
     if recorder is None:
-        recorder = StepRecorder()
+        recorder = StepRecorder(clock_for(state.device))
         state.set_events(recorder)
     elif not isinstance(recorder, StepRecorder):
         raise RuntimeError(

@@ -19,8 +19,8 @@ What torch's per-process export lacks, and this file adds:
   reducer/probe.py) gets ``args["step"]``, the synchronised step it belongs
   to, counted from the trace's start: step i ends with the i-th
   ``torchreplicate::finalize`` (the end of backward);
-- the exposed communication per step (the end of backward's waits and late
-  rounds), and a PNG of it.
+- a PNG of the exposed communication per step per rank (``StepRecord``'s,
+  handed in by tracing.py: one definition, timeline.py) and of one step.
 """
 
 from __future__ import annotations
@@ -91,28 +91,7 @@ def chrome_trace(ranks: Sequence[Sequence[Event]], **other: Any) -> dict[str, An
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": dict(other)}
 
 
-def exposed_ms(events: Sequence[Event]) -> dict[int, dict[int, float]]:
-    """Exposed communication per rank per step: milliseconds in the end of backward's waits and late rounds.
-
-    Args:
-        events: merged events (``rank_events`` of one or more ranks).
-
-    Returns:
-        {rank: {step: ms}}, with every step that has a ``torchreplicate::finalize``.
-    """
-    out: dict[int, dict[int, float]] = {}
-    for event in events:
-        if event.get("ph") != "X" or "step" not in event.get("args", {}):
-            continue
-        steps = out.setdefault(event["pid"], {})
-        step = event["args"]["step"]
-        label = _LABEL.match(event["name"])
-        exposed = event["dur"] / 1000.0 if label is not None and label.group(1) in _EXPOSED else 0.0
-        steps[step] = steps.get(step, 0.0) + exposed
-    return {rank: steps for rank, steps in out.items() if steps}
-
-
-def plot_trace(events: Sequence[Event], path: str, *, title: str = "") -> None:
+def plot_trace(events: Sequence[Event], exposed: dict[int, dict[int, float]], path: str, *, title: str = "") -> None:
     """Writes a PNG: exposed communication per step per rank, and the timeline of one step.
 
     The step shown is the one with the largest exposed communication on any
@@ -121,6 +100,7 @@ def plot_trace(events: Sequence[Event], path: str, *, title: str = "") -> None:
 
     Args:
         events: merged events (``rank_events`` of every rank).
+        exposed: {rank: {step: ms}}, each rank's exposed communication per step (the step recorder's).
         path: the PNG to write.
         title: the top panel's title (default: says what it shows).
 
@@ -133,7 +113,6 @@ def plot_trace(events: Sequence[Event], path: str, *, title: str = "") -> None:
     figure = Figure(figsize=(9, 5.4), dpi=80, layout="constrained")
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, height_ratios=[1, 1])
-    exposed = exposed_ms(events)
     for rank in sorted(exposed):
         steps = sorted(exposed[rank])
         values = [exposed[rank][s] for s in steps]

@@ -7,7 +7,9 @@ the reducer's phases by the labels reducer/probe.py gives them
 At exit each rank exports its profile; the ranks' events are gathered to rank
 0 (one ``all_gather_object``), which merges them into one file with one
 process per rank (trace_format.py) and writes a PNG of the exposed
-communication per step per rank.
+communication per step per rank, as the step recorder measured it on the
+rank's clock ([Note: one clock for the observers] in timeline.py: the
+same figure ``log_summary()`` reports, from the device on an accelerator).
 
 [Note: trace clocks]
 Each rank's profiler has its own clock, whose origin differs from rank to
@@ -37,7 +39,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.errors import gather_objects
-from torchreplicate.observe.trace_format import START, Event, chrome_trace, exposed_ms, plot_trace, rank_events
+from torchreplicate.observe.timeline import StepRecord, StepRecorder, subscribe, unsubscribe
+from torchreplicate.observe.trace_format import START, Event, chrome_trace, plot_trace, rank_events
 from torchreplicate.reducer.probe import BucketInfo
 from torchreplicate.torch_internals import FEATURES, profiler_active
 from torchreplicate.version import __version__
@@ -71,7 +74,9 @@ def trace(
     own export lacks is added: one process per rank named "rank r", one
     clock origin ([Note: trace clocks]), each labelled event's synchronised
     step in its ``args``, and under ``"otherData"`` the bucket layout at
-    exit (each bucket's index, parameter names, elements and bytes). Enter and leave the context at the
+    exit (each bucket's index, parameter names, elements and bytes) and
+    each rank's exposed communication per step (``"exposed_ms"``, from the
+    step recorder: the device's clock on an accelerator). Enter and leave the context at the
     same point on every rank: entry runs a barrier and a clean exit one
     ``all_gather_object`` to rank 0, which writes the files. If the block
     raises, no collective runs: each rank writes its own events to
@@ -153,6 +158,7 @@ class Tracer:
         # - This rank's recording
         self.profiler: Optional[profile] = None  # torch's profiler, from entry on
         self.events: list[Event] = []  # after exit: this rank's events, as merged
+        self.exposed_ms: list[float] = []  # this rank's exposed communication per step of the trace (timeline.py)
         self._buckets: list[dict[str, Any]] = []  # at exit: the layout, for the file (torch has no word for it)
         # - After exit
         self.written: list[str] = []  # files this rank wrote
@@ -173,7 +179,14 @@ class Tracer:
         dist.barrier(group=group)  # [Note: trace clocks]
         with record_function(START):
             pass
+        recorder = get_state(model).events
+        if isinstance(recorder, StepRecorder):
+            recorder.flush()  # steps before the trace are not its steps (on a device, one is pending)
+        subscribe(model, self._on_step)
         return self
+
+    def _on_step(self, record: StepRecord) -> None:
+        self.exposed_ms.append(record.exposed_ns / 1e6)
 
     def __exit__(self, exc_type: Optional[type[BaseException]], *exc_info: object) -> None:
         model, profiler = self._model, self.profiler
@@ -186,6 +199,9 @@ class Tracer:
             )
         profiler.stop()
         state = get_state(model)
+        if exc_type is None and isinstance(state.events, StepRecorder):
+            state.events.flush()  # the last step's record (a subscriber's collective: every rank is here)
+        unsubscribe(model, self._on_step)
         group = state.group
         self._buckets = [] if state.reducer is None else [_bucket_entry(b) for b in state.reducer.info.buckets]
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -197,22 +213,24 @@ class Tracer:
             with open(exported_path) as file:
                 exported: dict[str, Any] = json.load(file)
         self.events = rank_events(rank, world_size, exported, self.max_steps)
+        kept = len(self.exposed_ms) if self.max_steps is None else min(self.max_steps, len(self.exposed_ms))
+        mine = {len(self.exposed_ms) - kept + i: ms for i, ms in enumerate(self.exposed_ms[-kept:] if kept else [])}
         if exc_type is not None:
             # Another rank may be elsewhere (or dead): no collective, this rank's file only.
-            self._write_own_file(rank)
+            self._write_own_file(rank, mine)
             return None
-        gathered = gather_objects(self.events, group, state.device)
+        gathered = gather_objects((self.events, mine), group, state.device)
         if rank == 0:
-            self._write_files(gathered)
+            self._write_files([events for events, _ in gathered], {r: e for r, (_, e) in enumerate(gathered) if e})
         return None
 
-    def _write_files(self, ranks: list[list[Event]]) -> None:
+    def _write_files(self, ranks: list[list[Event]], exposed: dict[int, dict[int, float]]) -> None:
         # Rank 0, after the gather: the trace of every rank, the plot, and a log line saying where.
-        content = chrome_trace(ranks, **self._other_data(len(ranks)))
+        content = chrome_trace(ranks, **self._other_data(len(ranks), exposed))
         self._write_json(self.path, content)
         if self.plot_path is not None:
             try:
-                plot_trace(content["traceEvents"], self.plot_path)
+                plot_trace(content["traceEvents"], exposed, self.plot_path)
                 self.written.append(self.plot_path)
             except ImportError:  # stacklevel 3: the `with` statement, as if warned from __exit__
                 warnings.warn(
@@ -220,7 +238,7 @@ class Tracer:
                     'pip install "torchreplicate[plot]" (or plot=False)',
                     stacklevel=3,
                 )
-        num_steps = max((len(steps) for steps in exposed_ms(content["traceEvents"]).values()), default=0)
+        num_steps = max((len(steps) for steps in exposed.values()), default=0)
         logger.info(
             "torchreplicate: trace of %d synchronised step(s) on %d rank(s): %s (open the JSON in "
             "https://ui.perfetto.dev or chrome://tracing)",
@@ -229,17 +247,18 @@ class Tracer:
             " and ".join(self.written),
         )
 
-    def _write_own_file(self, rank: int) -> None:
+    def _write_own_file(self, rank: int, exposed: dict[int, float]) -> None:
         # This rank's events only, to <path stem>.rank<r>.json, when the block raised.
         stem, suffix = os.path.splitext(self.path)
         own = f"{stem}.rank{rank}{suffix or '.json'}"
         try:
-            self._write_json(own, chrome_trace([self.events], **self._other_data(1)))
+            self._write_json(own, chrome_trace([self.events], **self._other_data(1, {rank: exposed})))
         except OSError as error:  # never hide the block's own exception; stacklevel 3: the `with` statement
             warnings.warn(f"trace(): could not write {own}: {error}", stacklevel=3)
 
-    def _other_data(self, num_ranks: int) -> dict[str, Any]:
+    def _other_data(self, num_ranks: int, exposed: dict[int, dict[int, float]]) -> dict[str, Any]:
         return {
+            "exposed_ms": {str(rank): {str(step): ms for step, ms in steps.items()} for rank, steps in exposed.items()},
             "producer": f"torchreplicate {__version__} trace(), on torch.profiler (torch {torch.__version__})",
             "num_ranks": num_ranks,
             "clock": f"microseconds since each rank's {START!r} event, recorded right after a barrier",
