@@ -44,7 +44,8 @@ compares, it compares with plain local training or with DDP on the device:
 9. ``compile``: ``torch.compile`` of the replicated model against eager.
 10. ``observers``: the step recorder on the device's clock (CUDA events on
     the stream): records one step late, a 30 ms device sleep per step in
-    its step time while the host runs ahead.
+    its step time while the host runs ahead; the tuned layout's link
+    calibration timed on the device.
 11. ``stall``: last, a 3 s device stall in a step with ``stall_timeout=1``:
     the in-step read polls its event through the watchdog (the host does
     not spin); printed stage by stage, so a killed run still says where.

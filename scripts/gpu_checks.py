@@ -399,7 +399,8 @@ def device_cycles_per_ms() -> float:
 def check_observers() -> str:
     """The step recorder on the module's device clock (observe/timeline.py): on CUDA each record comes
     one step late, and its step time is the device's (a 30 ms device sleep per step shows in it while
-    the host runs ahead); on the CPU, the host's clock and no delay."""
+    the host runs ahead); on the CPU, the host's clock and no delay. Then the link calibration of the
+    tuned opt-in (layout/link.py), timed on the device."""
     from torchreplicate.observe import timeline
 
     ws1()
@@ -421,9 +422,16 @@ def check_observers() -> str:
     assert len(records) == 5 and all(e >= 0 for e in exposed), (len(records), exposed)
     if CUDA:
         assert min(step_ms) >= 25, f"the device clock missed the 30 ms device sleep per step: {step_ms}"
+    # the tuned opt-in's link calibration: CUDA-event samples of the device's all-reduce, not the enqueue
+    from torchreplicate.reducer.layout.link import measure_link
+
+    link = measure_link(dist.group.WORLD, torch.float32, torch.device(DEVICE), 64 * 2**20)
+    assert link.latency_s >= 0 and link.bytes_per_s > 0, link
     done()
     return (
-        f"{clock}, delay {delay}: step ms {[round(m, 1) for m in step_ms]}, exposed ms {[round(e, 2) for e in exposed]}"
+        f"{clock}, delay {delay}: step ms {[round(m, 1) for m in step_ms]}, exposed ms "
+        f"{[round(e, 2) for e in exposed]}; link: latency {link.latency_s * 1e6:.1f} us, "
+        f"{link.bytes_per_s / 1e9:.1f} GB/s"
     )
 
 

@@ -349,6 +349,17 @@ def compiled_autograd_enabled() -> bool:
     return dynamo is not None and bool(getattr(dynamo.config, "compiled_autograd", False))
 
 
+def keep_device_busy(device: torch.device, seconds: float = 1e-3) -> None:
+    """Queues about ``seconds`` of idle work on ``device``'s current stream (CUDA only), so that events
+    recorded after it run once the host has enqueued what follows them (a timed sample is the device's).
+
+    ``torch.cuda._sleep(cycles)`` (private, present from torch 1.x to 2.15): at 2 GHz, 2e6 cycles a ms;
+    a faster clock makes the wait shorter, which the host's enqueue (tens of microseconds) still fits.
+    """
+    with torch.cuda.device(device):
+        torch.cuda._sleep(int(seconds * 2e9))
+
+
 def swap_ddp_fusion(values: tuple[bool, float]) -> tuple[bool, float]:
     """Sets inductor's ``_fuse_ddp_communication`` and ``_fuse_ddp_bucket_size`` (MB); returns what they held.
 

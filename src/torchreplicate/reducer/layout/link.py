@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from torchreplicate.config import MiB
 from torchreplicate.reducer.layout.plan import MAX_CAP, MIN_CAP
+from torchreplicate.torch_internals import keep_device_busy
 
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
 CALIBRATION_BYTES = (4 * 1024, 2 * MiB, 8 * MiB)  # the sizes timed (at most): latency, then bandwidth
@@ -92,9 +93,12 @@ def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:
     # Seconds one all-reduce of `scratch` takes. On a GPU the CPU only enqueues
     # it (NCCL's wait orders the stream), so the transfer is timed by CUDA events
     # on the current stream, which waits for it; the calibration is the one
-    # place a step synchronises with the host (the tuned opt-in, once).
+    # place a step synchronises with the host (the tuned opt-in, once). The
+    # stream is kept busy first, so the start event runs once the host has
+    # enqueued the all-reduce: the sample is the device's, not the enqueue's.
     if scratch.is_cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        keep_device_busy(scratch.device)
         start.record()
         dist.all_reduce(scratch, group=group)
         end.record()
