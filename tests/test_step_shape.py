@@ -38,7 +38,10 @@ READ_IN_ORDER = (
     "reducer/flags.py",
 )
 LEAVES = ("reducer/probe.py", "faults/watchdog.py", "torch_internals.py")
-MAX_PAIRS = 30  # issue 45: at most 30 distinct cross-file (caller, callee) function pairs (issue 37: 32)
+# issue 45: at most 30 distinct cross-file (caller, callee) function pairs (issue 37: 32); issue 47: 31, the end of
+# every forward hands DDP's class attribute back to torch's compiler ([Note: compiled backward split at bucket
+# boundaries]): its start reads and sets it in one call, which also tells whether compiled autograd traces
+MAX_PAIRS = 31
 
 
 class StepShape(NamedTuple):

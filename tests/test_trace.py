@@ -406,6 +406,14 @@ def traced_alone(rank: int, world_size: int, folder: str) -> SingleResult:
         with torchreplicate.trace(os.path.join(folder, "inside.json"), model=model):
             with torch.profiler.profile():
                 model(data(rank, 0))
+    state = replicate.state(model)
+    assert state.events is None, "trace() left its subscription behind (another profiler ended its session)"
+    state.set_events(object())  # another observer attached by hand: refused before the profiler starts
+    with pytest.raises(RuntimeError, match="another step observer"):
+        torchreplicate.trace(os.path.join(folder, "refused.json"), model=model).__enter__()
+    state.set_events(None)
+    with torchreplicate.trace(os.path.join(folder, "after.json"), model=model, plot=False):  # no profiler left on
+        model(data(rank, 0)).sum().backward()
     with open(path) as file:
         events = [e for e in json.load(file)["traceEvents"] if e["ph"] != "M"]
     assert os.path.exists(os.path.join(folder, "alone.png"))

@@ -431,10 +431,12 @@ def active_ddp_module() -> Any:
     return active if isinstance(active, DistributedDataParallel) else None  # not ours (swap_active_ddp_module)
 
 
-def swap_active_ddp_module(value: Any) -> Any:
-    """Sets DDP's class attribute ``_active_ddp_module`` to ``value``; returns what it held.
+def swap_active_ddp_module(value: Any) -> tuple[Any, Any, bool]:
+    """Sets DDP's class attribute ``_active_ddp_module`` to ``value``; returns what it held, the
+    ``DistributedDataParallel`` among it (``active_ddp_module``: DDP on top of a replicated module), and
+    whether compiled autograd is on: what a replicated module's forward reads of torch's compiler.
 
-    torch's compiler reads it when it converts a frame: where it is set and
+    torch's compiler reads the attribute when it converts a frame: where it is set and
     ``torch._dynamo.config.optimize_ddp`` is on (the default), dynamo's
     ``DDPOptimizer`` splits the frame's graph at buckets of
     ``value.bucket_bytes_cap`` bytes, the only attribute it reads
@@ -443,9 +445,10 @@ def swap_active_ddp_module(value: Any) -> Any:
     around its forward the same way ([Note: compiled backward split at
     bucket boundaries] in core/compile_split.py).
     """
-    previous = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    previous = active_ddp_module()
+    held = getattr(DistributedDataParallel, "_active_ddp_module", None)
     DistributedDataParallel._active_ddp_module = value
-    return previous
+    return held, previous, compiled_autograd_enabled()
 
 
 def ddp_reduces_any(ddp: Any, params: Sequence[torch.Tensor]) -> bool:

@@ -1,15 +1,12 @@
 """Per-module state of a replicated module: what ``replicate()`` keeps for it, and its forward hooks.
 
-``ReplicateState`` holds the module's options, its plan (plan.py), its
-reducer and its one ``TrainingState``. As FSDP2's ``FSDPState`` does, it
-owns the root's hooks (before and after each forward, and on the outputs)
-and holds the handles of the others ``replicate()`` installs on modules
-(lazy modules'; tied holders' through its ``TiedUses``); the parameters'
-gradient hooks are its reducer's.
-The plan-time work (set-up, the cross-rank checks and broadcasts, building
-the reducer, re-planning: [Note: re-planning] in plan.py) is setup.py's,
-whose functions return what they decide; the state assigns it in one place
-(``install``). Gradient reduction is reducer.py's.
+``ReplicateState`` holds the module's options, its plan (plan.py), its reducer and its one
+``TrainingState``. As FSDP2's ``FSDPState`` does, it owns the root's hooks (before and after each
+forward, and on the outputs) and holds the handles of the others ``replicate()`` installs on modules
+(lazy modules'; tied holders' through its ``TiedUses``); the parameters' gradient hooks are its reducer's.
+The plan-time work (set-up, the cross-rank checks and broadcasts, building the reducer, re-planning:
+[Note: re-planning] in plan.py) is setup.py's, whose functions return what they decide; the state
+assigns it in one place (``install``). Gradient reduction is reducer.py's.
 
 Before each forward with gradients enabled: the join round (inside a Join),
 the watchdog's mark, the re-plan check and the buffer broadcast ([Note:
@@ -53,9 +50,7 @@ from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
 from torchreplicate.torch_internals import (
-    active_ddp_module,
     claimed_elsewhere,
-    compiled_autograd_enabled,
     ddp_reduces_any,
     join_enabled,
     moved_to,
@@ -81,8 +76,7 @@ class ReplicateState:
     def __init__(
         self, module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup] = None
     ) -> None:
-        # - Identity. The registry maps module -> state weakly; a strong reference back would keep every
-        #   replicated model (and its process group) alive until interpreter exit.
+        # - Identity. The registry maps module -> state weakly (a strong reference back: alive until exit)
         self._module_ref = weakref.ref(module)  # the replicated root
         self.config = config  # options, frozen
         self._given_group = None if process_group is None else WeakGroup(process_group)
@@ -130,6 +124,7 @@ class ReplicateState:
         self._handles: list[RemovableHandle] = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),  # first of all
             module.register_forward_hook(self._post_forward),
+            module.register_forward_hook(self._leave_forward, always_call=True),  # also when the forward raised
         ]
 
     # -- public --------------------------------------------------------------
@@ -408,12 +403,13 @@ class ReplicateState:
     @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         # Before every forward of the root; returns moved or cast inputs, or None to keep them.
-        ddp = active_ddp_module()
+        # the DDP whose forward runs around this one; dynamo splits at our buckets ([Note: compiled backward ...])
+        held, ddp, traced = swap_active_ddp_module(self.bucket_cap)
+        self.bucket_cap.outer = self.bucket_cap.outer if held is self.bucket_cap else held  # (re-entered)
         if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
             raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
         if torch.is_grad_enabled() and not self.nested:
-            self._sync_before_forward()
-        self.bucket_cap.outer = swap_active_ddp_module(self.bucket_cap)  # [Note: compiled backward split at ...]
+            self._sync_before_forward(traced)
         moved = None
         if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
             moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
@@ -422,14 +418,15 @@ class ReplicateState:
         cast = self.mixed.cast_inputs_of((args, kwargs))
         return moved if cast is None else (cast[0], cast[1])
 
-    def _sync_before_forward(self) -> None:
+    def _sync_before_forward(self, traced: bool) -> None:
         # What every rank does together before a forward with gradients
         # enabled: the join round, the watchdog's mark, the re-plan check and
         # the buffer broadcast. Without gradients (or nested): nothing, no
         # collective, so one rank may evaluate alone ([Note: re-planning]).
-        if isinstance(self.reduction, HookReduction) and compiled_autograd_enabled():
+        if isinstance(self.reduction, HookReduction) and traced:  # traced: compiled autograd is on
             raise compiled_hook_error()  # every rank, before any collective ([Note: compiled autograd])
-        self.bucket_cap.follow(compiled_autograd_enabled())  # inductor fuses the traced all-reduces (compile_split.py)
+        if traced is not self.bucket_cap.fusing:  # inductor's fusion, on a change (compile_split.py)
+            self.bucket_cap.follow(traced)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise graph_capture_error(class_name(self.module))  # before any collective, never half captured
         lifecycle = self.lifecycle
@@ -452,11 +449,16 @@ class ReplicateState:
             if self.tied is not None:
                 self.tied.begin(self.reducer, self.sync.on)
 
+    @torch.compiler.disable
+    def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # After every forward of the root, one that raised too: DDP's attribute as it was ([Note: compiled ...]).
+        swap_active_ddp_module(self.bucket_cap.outer)
+        self.bucket_cap.outer = None
+
     @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # After every forward of the root; returns the (cast) output.
-        swap_active_ddp_module(self.bucket_cap.outer)
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.FORWARD:
             lifecycle.now = TrainingState.IDLE
@@ -476,19 +478,16 @@ class ReplicateState:
 
 
 class _OutputGradHook:
-    # Queues the reducer's end-of-backward work (Reducer._finalize) from the
-    # outermost backward pass.
+    # Queues the reducer's end-of-backward work (Reducer._finalize) from the outermost backward pass.
     #
     # [Note: end of backward]
-    # The callback is queued from a hook on the forward outputs (the outermost
-    # backward pass reaches them first), or, when no forward hook ran (a method
-    # other than ``forward``), from the first parameter hook of the backward. If
-    # that first hook fires inside a nested pass (reentrant checkpointing around
-    # the last layers, called through such a method), the callback runs when the
-    # nested pass ends, and the rest of the backward queues another: the step is
-    # reduced in two rounds, each agreed, and the second adds the mean of what the
-    # outer pass accumulated. Still exact, as long as every rank's graph has the
-    # same nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
+    # The callback is queued from a hook on the forward outputs (the outermost backward pass reaches them
+    # first), or, when no forward hook ran (a method other than ``forward``), from the first parameter hook
+    # of the backward. If that first hook fires inside a nested pass (reentrant checkpointing around the
+    # last layers, called through such a method), the callback runs when the nested pass ends, and the rest
+    # of the backward queues another: the step is reduced in two rounds, each agreed, and the second adds
+    # the mean of what the outer pass accumulated. Still exact, as long as every rank's graph has the same
+    # nesting (tests/test_dynamic_graphs.py: other_method_checkpointed).
     __slots__ = ("reducer",)
 
     def __init__(self, reducer: Reducer) -> None:

@@ -247,6 +247,8 @@ class SummaryLogger:
         self.stop()
 
     def _on_step(self, record: StepRecord) -> None:
+        if self._start_ns is None and not self._num_steps and record.end_ns < self._clock.ns(self._start):
+            return  # a step that ended before log_summary() (on a device, delivered a step late)
         if self._first_step < 0:
             self._first_step = record.step
         self._num_steps += 1

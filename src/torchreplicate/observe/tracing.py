@@ -172,17 +172,17 @@ class Tracer:
                 "trace(): another torch profiler is recording, and torch runs one at a time; stop it "
                 "before trace(), or read the reducer's torchreplicate:: labels in that profiler's own trace"
             )
-        group = get_state(model).group
+        state = get_state(model)
+        if isinstance(state.events, StepRecorder):
+            state.events.flush()  # steps before the trace are not its steps (on a device, one is pending)
+        subscribe(model, self._on_step)  # refused (nothing started yet) where another observer is attached
+        group = state.group
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.profiler = profile(activities=activities)
         self.profiler.start()
         dist.barrier(group=group)  # [Note: trace clocks]
         with record_function(START):
             pass
-        recorder = get_state(model).events
-        if isinstance(recorder, StepRecorder):
-            recorder.flush()  # steps before the trace are not its steps (on a device, one is pending)
-        subscribe(model, self._on_step)
         return self
 
     def _on_step(self, record: StepRecord) -> None:
@@ -192,16 +192,18 @@ class Tracer:
         model, profiler = self._model, self.profiler
         assert model is not None and profiler is not None, "entered"
         self._model = None
+        state = get_state(model)
+        try:
+            if exc_type is None and isinstance(state.events, StepRecorder):
+                state.events.flush()  # the last step's record (a subscriber's collective: every rank is here)
+        finally:
+            unsubscribe(model, self._on_step)
         if not profiler_active():  # torch runs one session: another profiler, started and stopped inside, ended ours
             raise RuntimeError(
                 "trace(): another torch profiler was started inside the trace() block and ended its session "
                 "(torch runs one at a time), so there is nothing to write; run one profiler at a time"
             )
         profiler.stop()
-        state = get_state(model)
-        if exc_type is None and isinstance(state.events, StepRecorder):
-            state.events.flush()  # the last step's record (a subscriber's collective: every rank is here)
-        unsubscribe(model, self._on_step)
         group = state.group
         self._buckets = [] if state.reducer is None else [_bucket_entry(b) for b in state.reducer.info.buckets]
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
