@@ -15,12 +15,12 @@ Dynamo learns that a DDP forward runs from DDP's class attribute
 ``_active_ddp_module`` (torch_internals.py's ``swap_active_ddp_module``),
 as torch's own composable ``replicate`` sets it around its forward. Ours
 sets it to a ``BucketCap`` (the one attribute dynamo reads) from the root's
-pre-forward hook to its post-forward hook, so every frame compiled inside
-the forward (the whole model, or each block compiled alone as torchtitan
-does) is split at our buckets' cap. ``torch._dynamo.config.optimize_ddp =
-False`` turns the split off, as for DDP. A forward that raises leaves it
-set until the next forward ends: graphs compiled meanwhile are split too
-(a graph without parameters is left whole).
+pre-forward hook until a forward hook that runs also when the forward
+raises (``always_call``) hands back what it held, so every frame compiled
+inside the forward (the whole model, or each block compiled alone as
+torchtitan does) is split at our buckets' cap.
+``torch._dynamo.config.optimize_ddp = False`` turns the split off, as for
+DDP.
 
 Measured (benchmarks/bench_compile.py, 8 x Linear(1024), 8 buckets, two
 hosts at 5 Gbit/s): see docs/performance.md, "torch.compile".
@@ -62,10 +62,10 @@ class BucketCap:
         weakref.finalize(self, _ask_fusion, id(self), False).atexit = False  # a module collected lets go
 
     def follow(self, compiled_autograd: bool) -> None:
-        """Before a forward: inductor's DDP fusion on while compiled autograd is (see the Note), else as it was."""
-        if compiled_autograd is not self.fusing:
-            self.fusing = compiled_autograd
-            _ask_fusion(id(self), compiled_autograd, self.bucket_bytes_cap / MiB)
+        """Before a forward where compiled autograd turned on or off (``fusing`` differs): inductor's DDP
+        fusion on while it is (see the Note), else as it was."""
+        self.fusing = compiled_autograd
+        _ask_fusion(id(self), compiled_autograd, self.bucket_bytes_cap / MiB)
 
 
 _FUSING: set[int] = set()  # the BucketCaps (ids) that asked for inductor's fusion and have not let go

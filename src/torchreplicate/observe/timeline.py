@@ -200,6 +200,10 @@ class StepRecorder:
         self._backward_ns = self.clock.mark()
         self._step = step
         self._finalize_ns = 0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        # New containers for a step's marks: a step handed to ``_pending`` keeps the old ones as they are.
         self._first_grad, self._launch, self._wait, self._done, self._late = {}, {}, {}, {}, []
 
     def grad(self, bucket: int) -> None:
@@ -237,10 +241,10 @@ class StepRecorder:
         end = self.clock.mark()
         finalize = self._finalize_ns if self._finalize_ns else end
         backward = self._backward_ns if self._step == step else finalize
-        late = (*self._late,)
-        marks = (step, backward, finalize, end, dict(self._first_grad), dict(self._launch), dict(self._wait))
-        self._pending.append((*marks, dict(self._done), late, wire_bytes, self._replan_ns))
+        marks = (step, backward, finalize, end, self._first_grad, self._launch, self._wait, self._done, self._late)
+        self._pending.append((*marks, wire_bytes, self._replan_ns))
         self._replan_ns = None
+        self._fresh()
         while len(self._pending) > self.clock.delay:
             self._deliver(self._pending.popleft())
 
