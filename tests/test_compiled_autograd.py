@@ -158,6 +158,7 @@ def fused_under_compiled_autograd(rank: int, world_size: int) -> Fused:
         torch.stack([reference(data(r, 0)).pow(2).mean() for r in range(world_size)]).mean().backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            assert_same_on_every_rank(p.grad, f"fused {name}.grad")
     model.zero_grad()
     model(data(rank, 1)).pow(2).mean().backward()  # compiled autograd off: inductor's config as it was
     dist.barrier()
