@@ -44,7 +44,7 @@ from benchlib.breakdown_table import breakdown_table, breakdown_warnings
 from benchlib.collectives import count_all_reduces
 from benchlib.engines import build_engine
 from benchlib.memory import MEMORY_ENV, MEMORY_METHOD, aggregate_memory, memory_worker
-from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, make_batch
+from benchlib.models import EXTRA_MODEL_NAMES, GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, MiB, comma_choices, finish_report, run_env
 from benchlib.rounds import run_rounds
@@ -118,8 +118,8 @@ def aggregate(rank_outputs: list[dict]) -> dict:
     for model_name, result in models.items():
         m0 = rank_outputs[0]["models"][model_name]
         engines = result["engines"]
-        if "reducer" in engines:  # world size 1: extra cost per tensor over the bare model
-            for kind in ("reducer", "noop_hooks", "ours", "ddp"):
+        if "local" in engines:  # extra host time per tensor over the bare model (every world size)
+            for kind in ("reducer", "noop_hooks", "ours", "ddp", "ddp_gbv"):
                 if kind in engines:
                     result[f"{kind}_minus_local_us_per_tensor"] = per_tensor_difference_us(
                         engines[kind]["per_round_ms"], engines["local"]["per_round_ms"], result["n_tensors"]
@@ -303,7 +303,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 5; quick 3)")
     parser.add_argument("--quick", action="store_true", help="short smoke run (~1-2 min)")
-    parser.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma list from {MODEL_NAMES}")
+    parser.add_argument(
+        "--models", default=",".join(MODEL_NAMES), help=f"comma list from {MODEL_NAMES + EXTRA_MODEL_NAMES}"
+    )
     parser.add_argument("--nprocs", type=int, default=2, help="ranks of the main phase (default 2)")
     parser.add_argument("--no-ws2", action="store_true", help="skip the main (--nprocs ranks) timing phase")
     parser.add_argument("--no-ws1", action="store_true", help="skip the world-size-1 phase")
@@ -316,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500, help="per-launch timeout in seconds")
     args = parser.parse_args(argv)
 
-    models = comma_choices(parser, args.models, MODEL_NAMES)
+    models = comma_choices(parser, args.models, MODEL_NAMES + EXTRA_MODEL_NAMES)
     quick = args.quick
     rounds = args.rounds or (4 if quick else 40)
     cfg = {

@@ -194,31 +194,76 @@ class _NoReduction:
         raise AssertionError("not launched in this test")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("divisor", [2.0, 3.0, 7.0])
-def test_a_second_accumulation_is_folded_as_add_with_alpha(dtype, divisor):
-    """Two accumulations into one parameter in one backward (reentrant checkpointing): the slot holds
-    ``first * (1/d)`` then ``+ second`` with ``add_(alpha=1/d)``, bit for bit as before the bucket owned
-    its step (issue 37's review: a scale-tensor fold differed by an ulp in bf16/fp16 at 3 ranks)."""
+def _one_slot_bucket(dtype, divisor, expected, numel=5000):
     from torch import nn
 
     from torchreplicate.core.setup import make_slots
-    from torchreplicate.reducer.bucket import ViewBucket
+    from torchreplicate.reducer.bucket import BATCH_NUMEL, ViewBucket
 
-    torch.manual_seed(0)
-    param = nn.Parameter(torch.zeros(1000, dtype=dtype))
-    (slot,) = make_slots([param], ["w"], {id(param): 2})
+    param = nn.Parameter(torch.zeros(numel, dtype=dtype))
+    (slot,) = make_slots([param], ["w"], {id(param): expected})
     bucket = ViewBucket(0, [slot], dtype, torch.device("cpu"))
     scale = torch.tensor(1.0 / divisor, dtype=torch.float32)
     bucket.bind(_NoReduction(divisor), scale)
-    first, second = torch.randn(1000, dtype=dtype), torch.randn(1000, dtype=dtype)
+    assert bucket.batched == (numel < BATCH_NUMEL)
+    return param, slot, bucket, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("divisor", [2.0, 3.0, 7.0])
+def test_two_accumulations_are_summed_then_scaled_as_ddps_static_graph(dtype, divisor):
+    """Two accumulations into one parameter in one backward (reentrant checkpointing), learned: the
+    bucket takes the sum autograd made in ``.grad`` once both are in, ``(first + second) * (1/d)``, as
+    DDP's reducer with ``static_graph=True`` marks a parameter ready once its hooks reached their count."""
+    torch.manual_seed(0)
+    param, slot, bucket, scale = _one_slot_bucket(dtype, divisor, expected=2)
+    first, second = torch.randn(5000, dtype=dtype), torch.randn(5000, dtype=dtype)
     param.grad = first.clone()
     assert not bucket.take(slot), "one of two accumulations: not ready yet"
-    param.grad = second.clone()  # the hook set .grad aside; the next accumulation lands fresh
+    assert param.grad is not None and torch.equal(param.grad, first), "left to autograd until the last one"
+    param.grad.add_(second)  # autograd accumulates the second in place
     assert bucket.take(slot), "both accumulations in: the bucket is ready"
-    expected = torch.mul(first, scale).add_(second, alpha=1.0 / divisor)
-    assert torch.equal(slot.view, expected), (dtype, divisor)
+    assert torch.equal(slot.view, torch.mul(first + second, scale)), (dtype, divisor)
     assert param.grad is None, "the view holds them until the bucket's average is restored"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("divisor", [2.0, 3.0, 7.0])
+def test_the_first_step_sums_accumulations_unscaled_and_scales_at_the_launch(dtype, divisor):
+    """Nothing learned yet (the first step): each accumulation is taken as it comes (``.grad`` set aside,
+    so the next lands fresh), summed as autograd sums, and the launch at the end of backward scales the
+    sum: DDP's ``(first + second) * (1/d)`` again."""
+    torch.manual_seed(0)
+    param, slot, bucket, scale = _one_slot_bucket(dtype, divisor, expected=0)
+    first, second = torch.randn(5000, dtype=dtype), torch.randn(5000, dtype=dtype)
+    param.grad = first.clone()
+    assert not bucket.take(slot)
+    assert param.grad is None, "set aside: the next accumulation lands fresh"
+    param.grad = second.clone()
+    assert not bucket.take(slot), "nothing learned: the bucket waits for the end of backward"
+    assert bucket.fill() == [], "the slot holds this rank's gradient"
+    bucket._scale_in_place()  # what the launch at the end of backward does first
+    assert torch.equal(slot.view, torch.mul(first + second, scale)), (dtype, divisor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("expected", [0, 1, 2])
+def test_a_batched_bucket_gathers_at_its_launch_what_autograd_summed(dtype, expected):
+    """A bucket of small parameters ([Note: batched buckets]): its hooks only count (``.grad`` stays
+    where autograd put it); the gather before the launch copies every gradient in one call, detaches
+    ``.grad`` and scales the whole buffer: ``(first + second) * (1/3)`` again, DDP's bytes."""
+    torch.manual_seed(0)
+    param, slot, bucket, scale = _one_slot_bucket(dtype, 3.0, expected=expected, numel=1000)
+    first, second = torch.randn(1000, dtype=dtype), torch.randn(1000, dtype=dtype)
+    param.grad = first.clone()
+    for fired in range(1, max(expected, 2) + 1):
+        assert bucket.take(slot) == (fired == expected), "ready once every slot reached its count"
+        assert param.grad is not None, "left to autograd"
+        if fired == 1:
+            param.grad.add_(second)  # autograd accumulates the second in place
+    assert bucket.fill() == [] and param.grad is None, "gathered into the view; .grad set aside"
+    bucket._scale_in_place()
+    assert torch.equal(slot.view, torch.mul(first + second, scale)), (dtype, expected)
 
 
 # -- DDP's assignment ([Note: DDP's buckets]) -------------------------------------------------

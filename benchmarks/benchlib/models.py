@@ -7,12 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 MODEL_NAMES = ("mlp", "gpt", "small")  # bench_ddp.py's default set
-EXTRA_MODEL_NAMES = ("bn",)  # asked for by name: bench_before_after.py's realistic step
+# asked for by name: the realistic step (bench_before_after.py), host time per tensor (bench_ddp.py)
+EXTRA_MODEL_NAMES = ("bn", "tiny")
 MODEL_TITLES = {
     "mlp": "MLP 8x Linear(1024,1024)",
     "gpt": "GPT 6L d256 V8192 (tied)",
     "small": "64x (Linear(128)+LayerNorm)",
     "bn": "8x (Linear(1024)+BatchNorm1d) (buffers, 3 buckets)",
+    "tiny": "600x Linear(16,16) (1,200 tensors)",
 }
 
 GPT_SEQ = 64
@@ -83,6 +85,8 @@ def build_model(name: str) -> nn.Module:
         return nn.Sequential(*layers)
     if name == "gpt":
         return GPT()
+    if name == "tiny":  # host time per tensor: 1,200 tensors of 16 or 256 elements, compute next to nothing
+        return nn.Sequential(*[nn.Linear(16, 16) for _ in range(600)])
     if name == "bn":  # tests/test_step_shape.py's realistic step
         layers = []
         for _ in range(8):
@@ -98,6 +102,8 @@ def make_batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(32, 1024, generator=g), torch.randn(32, 1024, generator=g)
     if name == "small":
         return torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
+    if name == "tiny":
+        return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
     if name == "gpt":
         tokens = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_SEQ + 1), generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()

@@ -35,7 +35,25 @@ steps overlap. If a parameter fires again after its bucket was launched (the
 graph changed), the gradient must not race with the collective that reads the
 bucket: at launch, each parameter's ``.grad`` is detached from the bucket
 (``Bucket.launch``), so a late accumulation lands in a fresh tensor, which
-the late round reduces.
+the late round reduces. Between the first and the expected firing,
+autograd sums the accumulations in ``.grad`` and the bucket takes the sum
+once, as DDP's reducer does with ``static_graph=True``; the first step,
+which has learned nothing yet, takes each accumulation as it comes.
+
+[Note: batched buckets]
+A hook is a Python call per parameter, and each tensor operation from
+Python costs about a microsecond of host time whatever its size, which is
+what a model of many small tensors pays per step (DDP's reducer makes the
+same calls from C++). A bucket whose parameters average fewer than
+``BATCH_NUMEL`` elements is batched: its hooks only count, and its launch
+gathers every gradient into the buffer in one multi-tensor copy
+(``torch_internals.copy_into``), then scales the whole buffer in one pass.
+The bytes are DDP's: a copy is exact, and one multiply of the copy by the
+scale is the multiply DDP's reducer fuses into its copy, element by
+element. A bucket of larger parameters takes each gradient when it is
+ready, scaled on the way (one pass per tensor, where a second would cost
+more than the call it saves). The fresh gradients of a batched bucket stay
+alive until it launches: at most the bucket's bytes, of small tensors.
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ from torch import nn
 from torchreplicate.errors import changed_since_plan, some_names
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.torch_internals import (
+    copy_into,
     in_backward_optimizers,
     remove_in_backward_optimizer_hooks,
 )
@@ -121,6 +140,8 @@ def _view_strides(shard: torch.Tensor) -> tuple[int, ...]:
 
 LateGrads = dict[int, torch.Tensor]  # slot index -> a gradient that arrived after its bucket left
 
+BATCH_NUMEL = 4096  # a bucket whose parameters average fewer elements is batched ([Note: batched buckets])
+
 
 class Bucket:
     """One flat gradient buffer, the slots laid out in it, and its part of each synchronised backward.
@@ -136,6 +157,7 @@ class Bucket:
     """
 
     divides_views = False  # a .grad that is its view is divided in place, as DDP with gradient_as_bucket_view=True
+    batches = False  # where .grad lives allows a batched bucket ([Note: batched buckets])
 
     def __init__(self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device) -> None:
         # - Layout
@@ -150,6 +172,8 @@ class Bucket:
         self.params = [slot.param for slot in self.slots]  # what a comm hook's bucket lists
         self.views = [slot.view for slot in self.slots]  # each parameter's gradient in the buffer
         self.description = some_names([slot.name for slot in self.slots], 3)  # its first parameters, for messages
+        # hooks only count; the launch gathers every gradient at once ([Note: batched buckets])
+        self.batched = self.batches and numel < BATCH_NUMEL * len(self.slots) and not any(s.distributed for s in slots)
         # - Bound to a reduction (bind): how the bucket travels, and the scale
         #   its gradients take on the way in (None: as they are)
         self.reduction: Reduction  # set by bind, before any step
@@ -202,19 +226,31 @@ class Bucket:
         fired = slot.fired = slot.fired + 1
         if self.launched:
             return False
+        expected = slot.expected
+        if fired < expected:
+            return False  # more accumulations to come this backward: autograd sums them in .grad
+        if not self.batched:
+            self._absorb_checked(slot)
+        if fired == expected:
+            self.pending -= 1
+            return self.pending == 0
+        return False  # not learned yet (the first step), or more accumulations than learned
+
+    def _absorb_checked(self, slot: ParamSlot) -> None:
+        grad = slot.param.grad
         try:
             self._absorb(slot)
         except RuntimeError as error:
-            grad = slot.param.grad
+            raise self._misfit(error, [(slot, grad)]) from error
+
+    def _misfit(self, error: RuntimeError, taken: Sequence[tuple[ParamSlot, Optional[torch.Tensor]]]) -> RuntimeError:
+        # The error for the first gradient that no longer fits its slot (naming the parameter), else ``error``.
+        for slot, grad in taken:
             if grad is not None and (
                 grad.is_sparse or grad.device != self.buffer.device or local(grad).shape != slot.view.shape
             ):
-                raise slot.changed(grad) from error
-            raise
-        if fired == slot.expected:
-            self.pending -= 1
-            return self.pending == 0
-        return False
+                return slot.changed(grad)
+        return error
 
     def keep_local(self, slot: ParamSlot) -> None:
         """After an accumulation with gradient sync off (``no_sync``)."""
@@ -222,13 +258,18 @@ class Bucket:
     def fill(self) -> list[int]:
         """At the end of backward, before a launch from there: makes every slot hold this rank's
         contribution. Returns the indices of the slots this rank has no gradient for."""
+        if self.batched:
+            return self._gather()
         return [slot.index for slot in self.slots if not self._fill(slot)]
 
     def launch(self, from_hook: bool) -> None:
         """Starts the bucket's collective: from a gradient hook (every slot reached its expected
         count) or from the end of backward (after ``fill``); the bucket holds the work."""
         if from_hook:
-            self._detach()
+            if self.batched:
+                self._gather()
+            else:
+                self._detach()
         if self.scale is not None:
             self._scale_in_place()
         self.launched, self.from_hook = True, from_hook
@@ -324,7 +365,7 @@ class Bucket:
         # by 1 / divide_factor; one that already is its view (gradient_as_bucket_view=True) is divided.
         scale, divide = self.scale, self.divides_views
         assert scale is not None, "launch scales only where the reduction wants it"
-        if not divide and not any(slot.absorbed for slot in self.slots):
+        if not divide and (self.batched or not any(slot.absorbed for slot in self.slots)):
             self.grads.mul_(scale)  # one pass over the bucket: the usual case
             return
         factor = self.reduction.divide_factor
@@ -360,6 +401,33 @@ class Bucket:
         # Points a used slot's .grad (of a bucket launched at the end) at its average.
         raise NotImplementedError
 
+    def _gather(self) -> list[int]:
+        # A batched bucket's one pass before its launch ([Note: batched buckets]): every fresh .grad
+        # copied into its view in one call, unscaled, and detached (a later accumulation lands apart);
+        # a view already holding its gradient stays; no gradient: zeros. Returns the slots with none.
+        views: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        taken: list[ParamSlot] = []
+        unused: list[int] = []
+        for slot in self.slots:
+            param = slot.param
+            grad = param.grad
+            if grad is None:
+                slot.view.zero_()
+                unused.append(slot.index)
+            elif grad is not slot.grad_obj:
+                views.append(slot.view)
+                grads.append(grad)
+                taken.append(slot)
+                slot.moved = True
+                param.grad = None
+        if grads:
+            try:
+                copy_into(views, grads)
+            except RuntimeError as error:
+                raise self._misfit(error, list(zip(taken, grads, strict=True))) from error
+        return unused
+
     def _scaled_into(self, grad: torch.Tensor, slot: ParamSlot) -> None:
         # This rank's first gradient for the slot, into its view, as the reduction wants it.
         if self.scale is None:
@@ -393,6 +461,8 @@ def step_in_backward_optimizers(slots: Sequence[ParamSlot]) -> None:
 class ViewBucket(Bucket):
     """``.grad`` is its slot's view whenever no backward is running (``gradient_as_bucket_view=True``)."""
 
+    batches = True
+
     def adopt_grads(self) -> None:
         for slot in self.slots:
             if slot.param.grad is not None:
@@ -417,7 +487,10 @@ class ViewBucket(Bucket):
             return  # accumulated in place: scaled at launch
         if slot.distributed:
             grad = slot.plain(grad)  # type: ignore[arg-type]  # the reducer's hook checked it is set
-        if not slot.absorbed:
+        if not slot.expected:  # nothing learned: the bucket leaves at the end, scaled there; summed as autograd sums
+            slot.view.add_(grad) if slot.moved else slot.view.copy_(grad)  # type: ignore[arg-type]
+            slot.moved = True
+        elif not slot.absorbed:
             self._scaled_into(grad, slot)  # type: ignore[arg-type]
         elif self.scale is None:  # a further accumulation in this backward
             slot.view.add_(grad)  # type: ignore[arg-type]

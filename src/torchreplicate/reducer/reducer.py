@@ -263,13 +263,22 @@ class Reducer:
             queue_end_of_backward_callback(end)
 
     def _on_grad_accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
-        # Runs after every accumulation into param.grad: keep it short. The
-        # unusual cases (a profiler recording, compiled autograd tracing this
-        # hook) branch off after two cheap checks.
+        # Runs after every accumulation into param.grad, once per parameter per step: the host time
+        # a step pays per tensor ([Note: batched buckets] in bucket.py), so it stays short. The unusual
+        # cases (a profiler recording, compiled autograd tracing this hook, gradient sync off, a
+        # gradient that changed dtype or keeps a graph) branch off to _accumulated after cheap checks.
         if PROFILER._is_profiler_enabled or is_compiling():
             self._unusual_hook(slot, param)
             return
-        self._accumulated(slot, param)
+        grad = param.grad
+        if grad is None:
+            return  # an undefined gradient (a Function returned None): nothing accumulated
+        if len(param._post_accumulate_grad_hooks) != 1:  # ours and no other (torch_internals.num_post_...): 90 ns
+            raise foreign_hook_error(slot.name)  # registered after replicate() (before: refused at set-up)
+        if grad.dtype is not slot.dtype or grad.requires_grad or not self.sync.on:
+            self._accumulated(slot, param)
+            return
+        self._synced_grad(slot)
 
     def _accumulated(self, slot: ParamSlot, param: nn.Parameter) -> None:
         grad = param.grad
@@ -298,17 +307,16 @@ class Reducer:
             self._accumulated(slot, param)
 
     def _synced_grad(self, slot: ParamSlot) -> None:
-        if self.lifecycle.now is not TrainingState.BACKWARD or self._end() is None:
+        if self.lifecycle.now is not _BACKWARD or self._end() is None:
             self.queue_finalize()
         bucket = slot.bucket
-        events = self.probe.events
-        if events is not None:
-            events.grad(bucket.index)
+        if self.probe.events is not None:
+            self.probe.events.grad(bucket.index)
         if bucket.take(slot):
             self._launch_ready()
         elif bucket.launched:
             self.late.append(slot.name)  # the fresh .grad is reduced by the late round, if any
-        if slot.fired == 1 and not self.layout_policy.learned:
+        if not self.layout_policy.learned and slot.fired == 1:
             self.first_ready.append(slot.index)  # the launch order to learn ([Note: tuning])
             self.first_ready_ns.append(time.perf_counter_ns())
 
@@ -485,6 +493,9 @@ class Reducer:
             bucket.adopt_grads()
         self._bind()
         self._info = None
+
+
+_BACKWARD = TrainingState.BACKWARD  # read at every gradient hook
 
 
 def _no_callback() -> None:
