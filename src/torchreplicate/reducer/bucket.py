@@ -154,18 +154,22 @@ class Bucket:
         slots: the parameters, in buffer order; each gets its ``bucket`` and ``view``.
         dtype: dtype of every gradient in the bucket.
         device: device of every gradient in the bucket.
+        room: elements after the gradients in the buffer, which travel with them: the step's flags,
+            in the last bucket of a layout that is not DDP's ([Note: the flags carried] in flags.py).
     """
 
     divides_views = False  # a .grad that is its view is divided in place, as DDP with gradient_as_bucket_view=True
     batches = False  # where .grad lives allows a batched bucket ([Note: batched buckets])
 
-    def __init__(self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, index: int, slots: Sequence[ParamSlot], dtype: torch.dtype, device: torch.device, room: int = 0
+    ) -> None:
         # - Layout
         self.index = index
         self.slots = list(slots)
         numel = sum(local(slot.param).numel() for slot in self.slots)
-        self.buffer = torch.zeros(numel, dtype=dtype, device=device)
-        self.grads = self.buffer  # what comm hooks and the late round see
+        self.buffer = torch.zeros(numel + room, dtype=dtype, device=device)  # what the bucket's collective sums
+        self.grads = self.buffer[:numel] if room else self.buffer  # what comm hooks and the late round see
         self.offsets = list(itertools.accumulate((local(slot.param).numel() for slot in self.slots), initial=0))
         for slot, view in zip(self.slots, self.pieces(self.grads), strict=False):
             slot.bucket, slot.view, slot.grad_obj = self, view, grad_wrapper(view, slot.param)

@@ -1,13 +1,38 @@
-"""The flags: what each rank knows alone, summed across ranks in an all-reduce of their own.
+"""The flags: what each rank knows alone, summed across ranks with the step's collectives.
 
 See [Note: one collective sequence] in reducer.py. The flags are a few
-elements that travel in a small all-reduce of their own, launched without
-waiting right after the last bucket's (with a comm hook: once every hook's
-future is done), as DDP launches its used-parameters map under
-``find_unused_parameters=True``: the gradient buckets carry nothing else, so
-each bucket's all-reduce sums the bytes DDP's sums, at the same offsets
-([Note: DDP's buckets] in layout/plan.py). Every rank reads the same sums,
-so every rank takes the same decision.
+elements, summed across ranks at every synchronised step, launched without
+waiting. Every rank reads the same sums, so every rank takes the same
+decision.
+
+[Note: the flags' own all-reduce]
+At DDP's layout (the default) the gradient buckets carry DDP's bytes and
+nothing else, so each bucket's all-reduce sums the bytes DDP's sums, at the
+same offsets ([Note: DDP's buckets] in layout/plan.py), and the flags travel
+in a small all-reduce of their own, as DDP's used-parameters map does under
+``find_unused_parameters=True``. It leaves right after the last bucket's
+(with a comm hook: once every hook's future is done, [Note: hooks run one
+bucket at a time] in reduction.py), and nothing in the step waits for it.
+On the host (gloo) its bytes queue behind the last bucket's on the same
+connection, so it ends with it; the optimizer step that follows lets go of
+its work only if it is done already (``StagedSums.settle``), and the next
+step's end reads it. Sent before the last bucket instead, it would hold
+one of the group's two worker threads while an earlier bucket still holds
+the other, and the last bucket would wait for a thread. On an accelerator
+it follows the last bucket on the group's stream, and a stream of its own
+waits for it and copies the sums to the host (``StagedSums.stage``): the
+step's stream never waits for it. Every rank places it alike, a joined
+rank too (``Reducer._shadow``).
+
+[Note: the flags carried]
+Where the layout is not DDP's (``bucket_layout="tuned"`` or ``"fixed"``,
+whose bytes are not DDP's anyway), the flags ride in the last bucket's
+all-reduce instead, in room after its gradients (``Bucket``'s ``room``): one
+collective fewer per step, which on a slow link is a round trip, and on a
+busy host a collective's CPU work. Only where the sums stay exact integers:
+the last bucket in float32 or float64, summed as it is (no wire dtype, no
+comm hook); elsewhere they travel apart. The sums are copied out once the
+last bucket is back (``StepFlags.landed``), and read as the apart flags are.
 
 [Note: desync detection]
 Ranks that run a different number of backwards (one ran an extra backward,
@@ -64,6 +89,7 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import weakref
@@ -153,8 +179,7 @@ class OptimizerSteps:
         for clock in list(self.clocks):
             if not clock.param_ids.isdisjoint(cached[1]):
                 clock.steps += 1
-                if clock.staged is not None:
-                    clock.staged.settle()
+                if clock.staged is not None and clock.staged.settle(block=False):
                     clock.staged = None
 
     def install(self) -> None:
@@ -203,6 +228,18 @@ def residues_agree(sums: Sequence[float]) -> bool:
 _STAGED_WIDTH = _HEAD + 2 * _RESIDUE_WIDTH  # what a step late reads: the head, then both residue blocks
 
 
+def _let_go_at_exit() -> None:
+    # The staged works not yet let go ([Note: flags read a step late]): dropped while the interpreter is
+    # whole (the process group keeps its own reference until the work completes).
+    for staged in list(_PENDING):
+        staged.work = None
+    _PENDING.clear()
+
+
+_PENDING: weakref.WeakSet[StagedSums] = weakref.WeakSet()  # staged works an optimizer step found still running
+atexit.register(_let_go_at_exit)
+
+
 class StagedSums:
     """One reducer's summed flags of a step, read a step late ([Note: flags read a step late]).
 
@@ -222,6 +259,9 @@ class StagedSums:
         self.host = torch.zeros(_STAGED_WIDTH, dtype=torch.float32, pin_memory=accelerated) if accelerated else None
         self.values: Any = None if self.host is None else self.host.numpy()  # read as host memory
         self.event: Optional[torch.Event] = torch.Event(device) if accelerated else None
+        # on an accelerator, a stream of its own waits for the flags and copies them: the step's stream
+        # never waits for them ([Note: the flags' own all-reduce])
+        self.side: Optional[torch.Stream] = torch.Stream(device) if accelerated else None
         self.device = device
         self.work: Any = None  # on the host: the staged step's all-reduce, waited at the check
         self.step = -1  # the step staged; -1: none
@@ -245,15 +285,21 @@ class StagedSums:
             if work is not None and work.is_completed():
                 self.settle()
         else:
-            assert self.host is not None
-            if work is not None:
-                wait_for(work, waiter)  # on an accelerator: the stream waits, not the host
-            self.host.copy_(rest, non_blocking=True)
-            self.event.record(torch.accelerator.current_stream(self.device))  # the flags' device, not the current
+            assert self.host is not None and self.side is not None
+            step_stream = torch.accelerator.current_stream(self.device)  # the flags' device, not the current
+            with self.side:
+                if work is not None:
+                    wait_for(work, waiter)  # the side stream waits, not the host, nor the step's stream
+                else:
+                    self.side.wait_stream(step_stream)  # carried: summed with the last bucket, on the step's
+                self.host.copy_(rest, non_blocking=True)
+                self.event.record(self.side)
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
-    def settle(self) -> None:
-        """Waits for the staged all-reduce on the host, and lets go of its work.
+    def settle(self, block: bool = True) -> bool:
+        """Lets go of the staged all-reduce's work on the host once it is done; whether it let go.
+
+        ``block``: waits for it first; else only where it is done already.
 
         [Note: flags read a step late] A gloo work kept past its step (the
         last step's, at exit, after ``destroy_process_group()``) aborted the
@@ -261,11 +307,19 @@ class StagedSums:
         avoided", torch 2.13: docs/modern-stack.md's PowerSGD example), so
         the work is let go within its step where it is done already (it ran
         beside the last bucket), else at the optimizer step that follows
-        (``OptimizerSteps``), else at the next step's check.
+        (``OptimizerSteps``) if done by then (it never waits there: the
+        step's path), else at the next step's check, and at interpreter
+        exit, while the interpreter is whole, what is left.
         """
-        work, self.work = self.work, None
+        work = self.work
+        if work is not None and not block and not work.is_completed():
+            _PENDING.add(self)  # let go at exit at the latest
+            return False
+        self.work = None
+        _PENDING.discard(self)
         if work is not None:
             work.wait()
+        return True
 
     def check(
         self, group: Callable[[], dist.ProcessGroup], layout_digest: int, waiter: Optional[Waiter] = None
@@ -327,10 +381,20 @@ class StepFlags:
         num_params: number of reduced parameters.
         layout_digest: a digest of the bucket layout, equal on ranks that agree.
         clock: the module's training clock, sent at every write.
+        carrier: the last bucket's room, where the flags travel with its gradients ([Note: the flags
+            carried]); None (DDP's layout, a comm hook, a wire dtype): in an all-reduce of their own.
     """
 
-    def __init__(self, device: torch.device, num_params: int, layout_digest: int, clock: TrainingClock) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_params: int,
+        layout_digest: int,
+        clock: TrainingClock,
+        carrier: Optional[torch.Tensor] = None,
+    ) -> None:
         self.num_params, self.clock, self.layout_digest = num_params, clock, layout_digest
+        self.carrier = carrier
         self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
         self.turn = 0  # the tensor this step writes and sums
         self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}  # unused parameters' indices, by pattern
@@ -349,11 +413,19 @@ class StepFlags:
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
         self.ready: Optional[torch.Event] = torch.Event(device) if device.type != "cpu" else None  # see wait
 
+    @property
+    def before_last(self) -> bool:
+        """Whether the flags are written before the last bucket's launch: carried in it ([Note: the flags
+        carried]); else they leave in their own all-reduce after it ([Note: the flags' own all-reduce])."""
+        return self.carrier is not None
+
     def wait(self, work: Any, waiter: Optional[Waiter]) -> None:
-        """Waits for the flags' all-reduce before a read of the sums in this step: on an accelerator
-        the stream waits, then the host polls an event through ``waiter`` (the stall watchdog, which
-        looks at the peers) instead of blocking plainly in the read until NCCL's own timeout."""
-        wait_for(work, waiter)
+        """Waits for the flags' all-reduce (None: they came back with the last bucket) before a read of the
+        sums in this step: on an accelerator the stream waits, then the host polls an event through
+        ``waiter`` (the stall watchdog, which looks at the peers) instead of blocking plainly in the read
+        until NCCL's own timeout."""
+        if work is not None:
+            wait_for(work, waiter)
         if self.ready is not None and waiter is not None:
             self.ready.record(torch.accelerator.current_stream(self.tail.device))
             waiter.wait_until(self.ready.query)
@@ -378,11 +450,14 @@ class StepFlags:
         return self.tensors[self.turn]
 
     def nbytes(self) -> int:
-        """Bytes of one step's flags."""
-        return self.tail.numel() * self.tail.element_size()
+        """Bytes of one step's flags in an all-reduce of their own (carried: counted with the last bucket)."""
+        return 0 if self.carrier is not None else self.tail.numel() * self.tail.element_size()
 
-    def send(self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup, raised: bool = False) -> dist.Work:
+    def send(
+        self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup, raised: bool = False
+    ) -> Optional[dist.Work]:
         """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work.
+        Carried: writes them into the last bucket's room, which its launch sums; returns None.
         ``raised``: this rank's backward raised ([Note: a backward that raised] in reducer.py): no gradient."""
         tail = self.tail.copy_(self.ordinary)
         at = self.num_params + _HEAD
@@ -393,13 +468,24 @@ class StepFlags:
             tail[self.num_params] = 1
         if raised:
             tail[: self.num_params + 3] = torch.tensor([0.0] * self.num_params + [0.0, 1.0, dist.get_rank(group)])
+        return self._travel(tail, group)
+
+    def send_zeros(self, group: dist.ProcessGroup) -> Optional[dist.Work]:
+        """A joined rank's flags: zeros, summed with the others' ([Note: join] in core/join.py)."""
+        return self._travel(self.tail.zero_(), group)
+
+    def _travel(self, tail: torch.Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
+        if self.carrier is not None:
+            self.carrier.copy_(tail)  # summed with the last bucket, read back by ``landed``
+            return None
         # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
-        # plainly a step late on the host (``StagedSums.settle``), long done by then
+        # on the host a step late (``StagedSums.settle``), long done by then
         return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))
 
-    def send_zeros(self, group: dist.ProcessGroup) -> dist.Work:
-        """A joined rank's flags: zeros, summed with the others' ([Note: join] in core/join.py)."""
-        return cast(dist.Work, dist.all_reduce(self.tail.zero_(), group=group, async_op=True))
+    def landed(self, sums: Optional[torch.Tensor] = None) -> None:
+        """Carried: the last bucket is back; its room (or ``sums``, a joined rank's) holds the summed flags."""
+        assert self.carrier is not None, "carried flags only"
+        self.tail.copy_(self.carrier if sums is None else sums)
 
     def read(self, unused_here: Sequence[int], group: Callable[[], dist.ProcessGroup], step: int) -> FlagSums:
         """Reads the summed flags (their all-reduce waited) at the end of ``step``.

@@ -85,7 +85,7 @@ from torchreplicate.reducer.bucket import (
     adopt_in_backward_optimizers,
     step_in_backward_optimizers,
 )
-from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest
+from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest, num_flags
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
@@ -145,12 +145,12 @@ class Reducer:
         self.probe = probe
         self.sparse = sparse
         self.tied_rows = tied_rows
+        # - Reduction: how buckets travel (the flags apart, or carried in the last bucket: flags.py)
+        self.reduction = reduction
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = policy
-        self.buckets = build_buckets(policy, bucket_kind)
+        self.buckets = build_buckets(policy, bucket_kind, self._flags_room())
         self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
-        # - Reduction: how buckets travel (the flags travel on their own: flags.py)
-        self.reduction = reduction
         self._group = WeakGroup(group)  # held weakly: reduction.py
         self._clock = clock
         self._bind()  # the flags, the rounds, the wire bytes
@@ -236,10 +236,16 @@ class Reducer:
         for bucket in buckets:
             bucket.bind(reduction, reduction.scale(bucket.index))
         device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
-        self.flags = StepFlags(device, len(self.slots), layout_digest(buckets, self.sparse.slots), self._clock)
+        digest, carrier = layout_digest(buckets, self.sparse.slots), reduction.flags_room() if tensors else None
+        self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
         wire = reduction.wire_bytes() if tensors else 0
         self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
+
+    def _flags_room(self) -> int:
+        # Room for the flags in the last bucket: where the layout is not DDP's, whose buckets carry DDP's
+        # bytes and nothing else ([Note: the flags carried] in flags.py), and the reduction sums it as it is.
+        return num_flags(len(self.slots)) if not self.layout_policy.ddp and self.reduction.carries_flags() else 0
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -384,12 +390,16 @@ class Reducer:
         probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
         probe.finalize(num_steps)
         unused_here = self.sparse.unused_here() if self.sparse.slots else []
+        flags, group, late = self.flags, self._group.get(), bool(self.late)
+        after_waits, before = self.reduction.flags_after_waits, self._flags_before_last  # [Note: the flags' ...]
+        work = None
         for bucket in buckets[self.num_launched :]:
             unused_here += bucket.fill()
+            if before and bucket is buckets[-1]:
+                work = flags.send(unused_here, late, group)  # carried: into the last bucket's room
             self._launch(bucket, False)
-        after_waits, group, late = self.reduction.flags_after_waits, self._group.get(), bool(self.late)
-        if not after_waits:  # right after the last bucket's, as DDP's used-parameters map
-            work = self.flags.send(unused_here, late, group)
+        if not before and not after_waits:  # right after the last bucket's
+            work = flags.send(unused_here, late, group)
         for bucket in buckets:
             with probe.waiting(bucket.index, bucket.description, num_steps):
                 try:
@@ -397,7 +407,9 @@ class Reducer:
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
         if after_waits:
-            work = self.flags.send(unused_here, late, group)
+            work = flags.send(unused_here, late, group)
+        elif flags.carrier is not None:
+            flags.landed()
         if self.reads_now:
             probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
             self.flags.wait(work, probe.watch)
@@ -405,6 +417,12 @@ class Reducer:
         if self.late:
             warn_late_unreduced(num_steps, self.late)
         return self.flags.stage(self.staged, work, probe.watch, num_steps, unused_here, self.late, self._group.get)
+
+    @property
+    def _flags_before_last(self) -> bool:
+        # Whether the flags leave just before the last bucket (carried in it, or on the host), not after it
+        # or after the waits (a comm hook); the same on every rank, so the collective sequence stays one.
+        return bool(self.buckets) and not self.reduction.flags_after_waits and self.flags.before_last
 
     @property
     def reads_now(self) -> bool:
@@ -439,11 +457,23 @@ class Reducer:
 
     @torch.no_grad()
     def _shadow(self, first_bucket: int, raised: bool = False) -> None:
-        # The step's collectives from bucket `first_bucket` on, with zeros: the buckets, the flags (read
-        # now: raises where a backward raised on some ranks only), the rounds after them; then learns.
-        self.reduction.shadow(first_bucket)
-        flags, watch = self.flags, self.probe.watch
-        work = flags.send((), False, self.group, raised=True) if raised else flags.send_zeros(self.group)
+        # The step's collectives from bucket `first_bucket` on, with zeros, in a training rank's order: the
+        # buckets and the flags (read now: raises where a backward raised on some ranks only), the rounds
+        # after them; then learns.
+        flags, watch, group, last = self.flags, self.probe.watch, self.group, len(self.buckets) - 1
+        before = self._flags_before_last
+
+        def send() -> Optional[dist.Work]:
+            return flags.send((), False, group, raised=True) if raised else flags.send_zeros(group)
+
+        self.reduction.shadow(first_bucket, last if before else None)
+        work = send() if before else None
+        if before:
+            sums = self.reduction.shadow(last, None, flags.tail if flags.carrier is not None else None)
+            if flags.carrier is not None:
+                flags.landed(sums)
+        else:
+            work = send()
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
             flags.wait(work, watch)
@@ -488,7 +518,7 @@ class Reducer:
 
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
-        self.buckets = build_buckets(self.layout_policy, self.bucket_kind)
+        self.buckets = build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
         for bucket in self.buckets:
             bucket.adopt_grads()
         self._bind()

@@ -166,9 +166,19 @@ class Reduction:
         """Bytes one backward hands to the collectives (per rank): the bound buckets as they travel."""
         raise NotImplementedError
 
-    def shadow(self, first: int = 0) -> None:
-        """A joined rank's part of one backward (a rank whose backward raised: from bucket ``first`` on):
-        the same collectives, all zeros."""
+    def carries_flags(self) -> bool:
+        """Whether the last bucket's buffer can carry the flags as it travels ([Note: the flags carried] in
+        flags.py): it is summed as it is, so small integers stay exact."""
+        return False
+
+    def flags_room(self) -> Optional[torch.Tensor]:
+        """Where the flags travel inside the last bucket's collective (its buffer's room), or None: apart."""
+        return None
+
+    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
+        """A joined rank's part of one backward (a rank whose backward raised: from bucket ``first`` on),
+        buckets ``first`` to ``stop`` (default: the last): the same collectives, all zeros but ``flags``
+        in the last bucket's room, where they travel; returns their sums then, else None."""
         raise NotImplementedError
 
 
@@ -268,10 +278,23 @@ class AllReduce(Reduction):
             mean = mean.to(self.reduce_dtype)
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
 
-    def shadow(self, first: int = 0) -> None:
-        group = self.weak_group.get()
-        for work in [all_reduce(torch.zeros_like(wire), group, async_op=True) for wire in self.wires[first:]]:
+    def carries_flags(self) -> bool:
+        return self.reduce_dtype is None  # summed as it is; build_buckets gives room in float32 or float64 only
+
+    def flags_room(self) -> Optional[torch.Tensor]:
+        if not self._buckets or self.wires[-1] is not self._buckets[-1].buffer:
+            return None
+        last = self._buckets[-1]
+        return last.buffer[last.numel :] if last.buffer.numel() > last.numel else None
+
+    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
+        group, stop = self.weak_group.get(), len(self.wires) if stop is None else stop
+        zeros = [torch.zeros_like(wire) for wire in self.wires[first:stop]]
+        if flags is not None and zeros and stop == len(self.wires):
+            zeros[-1][self._buckets[-1].numel :].copy_(flags)
+        for work in [all_reduce(zero, group, async_op=True) for zero in zeros]:
             wait_for(cast(dist.Work, work), self._waiter)
+        return zeros[-1][self._buckets[-1].numel :] if flags is not None and zeros else None
 
     def launch(self, index: int) -> Any:
         wire, bucket = self.wires[index], self._buckets[index]
@@ -355,10 +378,10 @@ class HookReduction(Reduction):
             [real_parts(view) for view in views],
         )
 
-    def shadow(self, first: int = 0) -> None:
-        # The hook on zero buckets, one at a time (the reducer's flags follow).
+    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
+        # The hook on zero buckets, one at a time (the reducer's flags follow, apart).
         future = None
-        for index, bucket in enumerate(self._buckets[first:], first):
+        for index, bucket in enumerate(self._buckets[first:stop], first):
             if future is not None:
                 future.wait()
             zeros = torch.zeros_like(bucket.grads)
@@ -367,6 +390,7 @@ class HookReduction(Reduction):
             future = self.hook(self.state, self._grad_bucket(index, zeros, views))
         if future is not None:
             future.wait()
+        return None
 
     def launch(self, index: int) -> Any:
         if index > 0:  # [Note: hooks run one bucket at a time]; a future done already is not waited on

@@ -195,19 +195,23 @@ class LayoutPolicy:
         return sum(p.numel() * p.element_size() for p in (local(slot.param) for slot in self.dense))
 
 
-def build_buckets(policy: LayoutPolicy, kind: type[Bucket]) -> list[Bucket]:
+def build_buckets(policy: LayoutPolicy, kind: type[Bucket], flags_room: int = 0) -> list[Bucket]:
     """The buckets ``policy`` lays out now (none where no slot is dense: only sparse gradients).
 
     Args:
         policy: the layout policy (its dense slots, order, caps, groups).
         kind: where ``.grad`` lives (core/setup.py's ``bucket_kind``).
+        flags_room: elements for the step's flags after the last bucket's gradients, given only where
+            that bucket sums exactly in float32 or float64 ([Note: the flags carried] in flags.py). Default 0.
     """
     dense = policy.dense
     if not dense:
         return []
     specs = scheduled_layout(policy) or policy.plan()
+    room = flags_room if specs[-1].dtype in (torch.float32, torch.float64) else 0
     return [
-        kind(index, [dense[i] for i in spec.param_indices], spec.dtype, spec.device) for index, spec in enumerate(specs)
+        kind(index, [dense[i] for i in spec.param_indices], spec.dtype, spec.device, room if spec is specs[-1] else 0)
+        for index, spec in enumerate(specs)
     ]
 
 
