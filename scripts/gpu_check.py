@@ -41,7 +41,10 @@ compares, it compares with plain local training or with DDP on the device:
    interleaved rounds timed by CUDA events; ours/DDP and each against local.
 7. ``memory``: peak CUDA memory of 3 steps, each engine in its own process.
 8. ``pytest_cuda``: the suite's CUDA-marked tests (tests/test_cuda.py).
-9. ``compile``: ``torch.compile`` of the replicated model against eager.
+9. ``compile``: ``torch.compile`` (inductor) of the replicated model against
+   DDP's compiled job: both split into the same graphs at 1 MiB buckets,
+   gradients bitwise equal (against eager, inductor's kernels round
+   differently, by how much depends on the device).
 10. ``observers``: the step recorder on the device's clock (CUDA events on
     the stream): records one step late, a 30 ms device sleep per step in
     its step time while the host runs ahead; the tuned layout's link

@@ -78,3 +78,24 @@ def test_every_checks_body_runs_on_the_cpu_before_the_gpu_run(tmp_path):
     assert "11 shapes, steady steps: host reads as expected" in done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["cpu"] is True and all(r["ok"] for r in summary["results"]), summary
+
+
+def test_the_compile_verdict_wants_ddps_split_and_its_gradients_to_the_bit():
+    # check_compile's verdict (scripts/gpu_checks.py): ours' compiled job against DDP's, bitwise, so that it
+    # holds whichever kernels inductor picks on the machine; one ulp off in one gradient fails it
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import gpu_checks
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    ours, theirs = (gpu_checks.bn_model(16) for _ in range(2))
+    for model in (ours, theirs):
+        model(x).pow(2).mean().backward()
+    line = gpu_checks.compiled_verdict(ours, theirs, (4, 4), "equal")
+    assert line == "torch.compile: 4 graphs, gradients bitwise equal to DDP's compiled job"
+    for graphs in ((1, 1), (1, 4), (4, 5)):  # no split; ours not split as DDP's
+        with pytest.raises(AssertionError, match="not split at the buckets as DDP's"):
+            gpu_checks.compiled_verdict(ours, theirs, graphs, "split")
+    grad = next(ours.parameters()).grad
+    grad[0, 0] = torch.nextafter(grad[0, 0], torch.tensor(float("inf")))  # one ulp
+    with pytest.raises(AssertionError, match=r"0\.weight: one ulp: gradients against DDP's compiled job"):
+        gpu_checks.compiled_verdict(ours, theirs, (4, 4), "one ulp")
