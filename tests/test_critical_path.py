@@ -4,7 +4,8 @@ At default options a step sums DDP's buckets (their sizes: tests/test_ddp_bits.p
 small all-reduce of their own ([Note: the flags' own all-reduce] in reducer/flags.py), which nothing in
 the step waits for. Where the layout is not DDP's, the flags ride in the last bucket: the step launches
 exactly its buckets' all-reduces ([Note: the flags carried]). Counted with torch.profiler's
-``gloo:all_reduce`` events (DDP's reducer issues its own from C++), on a model of several buckets, with
+``gloo:all_reduce`` and ``gloo:all_gather`` events (DDP's reducer issues its own from C++; the flags' sums
+on the host are an all-gather and a local sum), on a model of several buckets, with
 rank-different batches whose averaged gradients are checked against the replicas' agreement.
 """
 
@@ -63,7 +64,9 @@ def steady_step_all_reduces(rank: int, world_size: int, kind: str) -> dict[str, 
         step(3)
         dist.barrier()  # gloo's threads close their events once the work completes
         time.sleep(0.2)
-    sizes = [math.prod((e.input_shapes or [[]])[0] or [0]) for e in prof.events() if e.name == "gloo:all_reduce"]
+    # the flags' sums on the host: an all-gather and a local sum (reducer/flags.py's _Gathered)
+    names = ("gloo:all_reduce", "gloo:all_gather")
+    sizes = [math.prod((e.input_shapes or [[]])[0] or [0]) for e in prof.events() if e.name in names]
     out: dict[str, Any] = {"sizes": sorted(sizes)}
     if kind != "ddp":
         reducer = replicate.state(wrapped).reducer

@@ -191,8 +191,8 @@ def run_job(name: str, engine: str, gbv: bool, set_to_none: bool) -> str:
 
 
 def all_reduce_sizes(engine: str, name: str) -> list[int]:
-    """The elements of every all-reduce of one steady step of job ``name`` at default options, in order
-    (torch.profiler's ``gloo:all_reduce`` events: DDP's reducer issues its own from C++)."""
+    """The elements of every all-reduce (and all-gather) of one steady step of job ``name`` at default
+    options, in order (torch.profiler's ``gloo:`` events: DDP's reducer issues its own from C++)."""
     from torch.profiler import ProfilerActivity, profile
 
     build, make_batch, loss_fn, make_optimizer, options, _, _ = JOBS[name]
@@ -223,8 +223,12 @@ def all_reduce_sizes(engine: str, name: str) -> list[int]:
         # gloo:barrier) and a moment, so the profiler stops after them (once seen: none counted, torch 2.9.1)
         dist.barrier()
         time.sleep(0.2)
+    # the flags' sums on the host are an all-gather and a local sum (reducer/flags.py's _Gathered): counted
+    # with the all-reduces, by the elements each rank sends
     return [
-        math.prod((event.input_shapes or [[]])[0] or [0]) for event in prof.events() if event.name == "gloo:all_reduce"
+        math.prod((event.input_shapes or [[]])[0] or [0])
+        for event in prof.events()
+        if event.name in ("gloo:all_reduce", "gloo:all_gather")
     ]
 
 

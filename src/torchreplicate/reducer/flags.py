@@ -13,7 +13,9 @@ in a small all-reduce of their own, as DDP's used-parameters map does under
 ``find_unused_parameters=True``. It leaves right after the last bucket's
 (with a comm hook: once every hook's future is done, [Note: hooks run one
 bucket at a time] in reduction.py), and nothing in the step waits for it.
-On the host (gloo) its bytes queue behind the last bucket's on the same
+On the host (gloo) the ranks' flags are all-gathered and summed where they
+land (``_Gathered``: half the CPU of gloo's all-reduce ring at this size,
+the same sums). There its bytes queue behind the last bucket's on the same
 connection, so it ends with it; the optimizer step that follows lets go of
 its work only if it is done already (``StagedSums.settle``), and the next
 step's end reads it. Sent before the last bucket instead, it would hold
@@ -238,6 +240,40 @@ def _let_go_at_exit() -> None:
 
 _PENDING: weakref.WeakSet[StagedSums] = weakref.WeakSet()  # staged works an optimizer step found still running
 atexit.register(_let_go_at_exit)
+
+
+GATHER_MAX_NUMEL = 1 << 20  # host flags are all-gathered and summed here up to this many elements, all ranks'
+
+
+class _Gathered:
+    """The flags' sums on the host (gloo) by an all-gather and a local sum, with a work's ``wait`` and
+    ``is_completed``: gloo's all-reduce of a few hundred elements is a ring of eight small messages per
+    rank, its all-gather one exchange per peer, and the sums of small integers are exact in any order
+    (measured on 2 gloo ranks: 563 against 251 us of process CPU per call, 931 against 460 us wall).
+
+    Args:
+        tail: the flags to sum (the sums land there once the gather is done).
+        world_size: ranks in ``group``.
+        group: the process group.
+    """
+
+    def __init__(self, tail: torch.Tensor, world_size: int, group: dist.ProcessGroup) -> None:
+        self.tail = tail
+        self.gathered = torch.empty(world_size, tail.numel(), dtype=tail.dtype)
+        self.work = cast(dist.Work, dist.all_gather(list(self.gathered.unbind(0)), tail, group=group, async_op=True))
+        self.summed = False
+
+    def is_completed(self) -> bool:
+        """Whether the gather is done."""
+        return bool(self.work.is_completed())
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Waits for the gather (``timeout``: as ``Work.wait``'s), then writes the sums into the flags."""
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.summed:
+            torch.sum(self.gathered, 0, out=self.tail)
+            self.summed = True
+        return bool(done)
 
 
 class StagedSums:
@@ -480,6 +516,9 @@ class StepFlags:
             return None
         # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
         # on the host a step late (``StagedSums.settle``), long done by then
+        world_size = dist.get_world_size(group)
+        if tail.device.type == "cpu" and world_size * tail.numel() <= GATHER_MAX_NUMEL:
+            return _Gathered(tail, world_size, group)  # type: ignore[return-value]  # a Work's wait and is_completed
         return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))
 
     def landed(self, sums: Optional[torch.Tensor] = None) -> None:

@@ -16,12 +16,13 @@ to one ``Probe`` (probe.py).
 [Note: one collective sequence]
 Every rank must launch the same collectives in the same order, whatever its
 own graph did. So buckets are launched strictly by index, each exactly once
-per synchronised backward, and the last bucket is always launched from the
-end-of-backward callback. A rank may launch bucket ``k`` early (from a
-gradient hook, overlapping backward) or late (from the callback); only the
-timing differs, never the sequence. Anything a rank knows alone travels as
-flags (flags.py), in a small all-reduce of their own right after the last
-bucket's (the buckets carry DDP's bytes and nothing else): which parameters
+per synchronised backward. A rank may launch bucket ``k`` early (from a
+gradient hook, overlapping backward) or late (from the end-of-backward
+callback); only the timing differs, never the sequence. Anything a rank
+knows alone travels as flags (flags.py), in a small all-reduce of their own
+right after the last bucket's (the buckets carry DDP's bytes and nothing
+else), or, where the layout is not DDP's, in the last bucket itself, which
+then always leaves from the callback, once the flags are known: which parameters
 this rank holds a gradient for, and whether a gradient arrived after its
 bucket was launched. After the last bucket is reduced, every rank reads the same
 sums and takes the same decisions: a parameter with no gradient on any rank
@@ -238,6 +239,7 @@ class Reducer:
         device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
         digest, carrier = layout_digest(buckets, self.sparse.slots), reduction.flags_room() if tensors else None
         self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier)
+        self._launchable = len(buckets) - (carrier is not None)  # buckets a gradient hook may launch
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
         wire = reduction.wire_bytes() if tensors else 0
         self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
@@ -339,10 +341,10 @@ class Reducer:
             self.queue_finalize()
 
     def _launch_ready(self) -> None:
-        # Launch, in index order, every ready bucket but the last ([Note: one
-        # collective sequence]).
-        last = len(self.buckets) - 1
-        while self.num_launched < last and self.buckets[self.num_launched].pending == 0:
+        # Launch, in index order, every ready bucket, but the last where it carries the flags ([Note: one
+        # collective sequence]): as DDP's, the last leaves from its last gradient's hook, not the callback.
+        launchable = self._launchable
+        while self.num_launched < launchable and self.buckets[self.num_launched].pending == 0:
             self._launch(self.buckets[self.num_launched], True)
 
     def _launch(self, bucket: Bucket, from_hook: bool) -> None:
