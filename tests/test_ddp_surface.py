@@ -288,14 +288,15 @@ def refusals_and_own_names(rank, world_size):
     with pytest.raises(AssertionError, match="Gather function not implemented for CPU"):  # as DDP's, on the CPU
         model.gather([torch.ones(1)], -1)
     model(batch(rank, 0)).sum().backward()
-    if rank == 0:  # one rank evaluates alone: no collective, and the buffer switch stays (docs/migration.md)
+    if rank == 0:  # one rank evaluates alone: no collective; DDP's rule clears its switch (docs/migration.md)
         with torch.no_grad():
             model.eval()(batch(rank, 1))
-    assert model.require_forward_param_sync and model.will_sync_module_buffers()
-    seen = []  # the statistics BatchNorm starts from: after the root's broadcast, before its own update
+    assert model.require_forward_param_sync == model.will_sync_module_buffers() == (rank != 0)
+    seen = []  # the statistics BatchNorm starts from: after the root's buffers came, before its own update
     model.norm.register_forward_pre_hook(lambda module, args: seen.append(module.running_var.clone()))
-    model.train()(batch(rank, 2)).sum().backward()  # every rank: the broadcast is still due, and runs
-    assert same_on_every_rank(seen[0]), "the forward after a no_grad forward did not broadcast buffers"
+    model.train()(batch(rank, 2)).sum().backward()  # rank 1 takes rank 0's, sent before its evaluation
+    assert same_on_every_rank(seen[0]), "the forward after rank 0's evaluation runs on other buffers"
+    assert model.require_forward_param_sync, "a forward with gradients sets the switch again"
     own = replicate(OwnNames())
     assert own.dim == 512 and own.gather() == "mine" and isinstance(own.device_type, nn.Linear)
     own.dim = 3  # the model's own attribute: a plain assignment

@@ -428,6 +428,12 @@ def preserved_versions(tensors: Sequence[torch.Tensor]) -> Any:
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
 
 
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor._version``: autograd's count of in-place writes to it (every torch; no public name), which
+    tells a buffer changed since the staging of rank 0's values (core/buffers.py's ``StagedBuffers``)."""
+    return int(tensor._version)
+
+
 def active_ddp_module() -> Any:
     """The ``DistributedDataParallel`` whose forward is running now, or None.
 

@@ -380,7 +380,7 @@ class DDPSurface(DDPInternals):
         get_state(self).note_change()
 
     def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward with gradients broadcasts buffers, as DDP's ([Note: buffer sync])."""
+        """Whether the next forward takes rank 0's buffers (gradients or not), as DDP's ([Note: buffer sync])."""
         state = get_state(self)
         return state.buffer_sync.wanted and bool(state.plan.buffers)
 

@@ -2,25 +2,38 @@
 
 [Note: buffer sync]
 The rules are DDP 2.13's, so that BatchNorm statistics and every other
-buffer hold on each rank what they would hold under DDP on the same job:
+buffer hold on each rank what they would hold under DDP on the same job,
+in training and in evaluation:
 
 - At set-up, buffers are broadcast from rank 0 with the parameters, unless
   ``broadcast_buffers=False`` was given without ``forward_sync_buffers``
   (DDP's deprecated spelling also skips the set-up broadcast;
   ``forward_sync_buffers=False`` keeps it): ``BufferSync.at_set_up``.
-- Before a forward with gradients enabled, buffers are broadcast from rank 0
-  (from the highest rank still training, inside a ``Join``) when
+- Before a forward, with or without gradients, every rank takes rank 0's
+  buffers (the highest rank still training's, inside a ``Join``) when
   ``before_forward`` (DDP's ``forward_sync_buffers``; ``model.broadcast_buffers
   = False`` turns it off at run time, as on DDP) and ``due`` (DDP's
-  ``require_forward_param_sync``): the previous forward with gradients ran
-  with gradient sync on. Under ``no_sync()`` accumulation only the first
-  micro-batch's forward broadcasts, as under DDP; the others keep each
-  rank's own statistics.
-- A forward with gradients disabled runs no collective (one rank may
-  evaluate alone) and leaves ``due`` as it was. DDP broadcasts there too
-  when ``due``, and clears it: where ranks' buffers differ, an evaluation
-  forward under ``torch.no_grad()`` on rank >= 1 sees its own statistics
-  where DDP's sees rank 0's (docs/migration.md).
+  ``require_forward_param_sync``): the previous forward ran with gradients
+  and with gradient sync on. After every forward ``due`` is set again, as
+  DDP's ``_post_forward`` does: an evaluation forward under ``no_grad``
+  (or one under ``no_sync()``) clears it. Under ``no_sync()`` accumulation
+  only the first micro-batch's forward takes rank 0's values; the others
+  keep each rank's own statistics.
+- What DDP broadcasts at a forward is rank 0's buffers as its previous
+  forward left them. So that a rank may evaluate alone (rank 0 alone under
+  ``no_grad``) with no collective that could hang, those values travel at
+  the end of the forward that leaves ``due`` set, which every rank runs in
+  step: a broadcast launched without waiting into a staging buffer
+  (``StagedBuffers``), which the next forward, with gradients or without,
+  waits for and copies in: one collective per step, as before, moved from
+  the start of a forward to the end of the one before. Where nothing was
+  staged (the first forward, inside a ``Join``, after ``broadcast_buffers``
+  was switched on) a forward with gradients broadcasts at its start, as
+  DDP's does, and one without gradients keeps each rank's values. A rank
+  whose own buffers changed between the staging and the next forward
+  (``load_state_dict`` on every rank, a reset) keeps them: the staged
+  values are older. Change buffers between steps on every rank alike: DDP
+  would give every rank rank 0's changed values.
 - The broadcast writes into the buffers in place, so a reference a user
   holds (``rm = bn.running_mean``, an EMA of buffers, an optimizer over
   them) sees the new values. An in-place write bumps a tensor's version
@@ -44,16 +57,16 @@ parameters) and a ``Join``'s end (core/join.py) use too.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.faults.watchdog import diagnosing
-from torchreplicate.reducer.reduction import Waiter, WeakGroup, wait_for
-from torchreplicate.torch_internals import preserved_versions
+from torchreplicate.faults.watchdog import StallWatch, diagnosing
+from torchreplicate.reducer.reduction import Waiter, WeakGroup, hold, wait_for
+from torchreplicate.torch_internals import preserved_versions, version_of
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.probe import Probe
@@ -84,26 +97,63 @@ class BufferSync:
         self.at_set_up = config.init_sync_buffers
         # before forwards (DDP's forward_sync_buffers); the model's broadcast_buffers attribute sets it
         self.before_forward = config.broadcast_buffers
-        # DDP's require_forward_param_sync: the last forward with gradients ran with gradient sync on.
-        # The forward hook writes it after each forward with gradients: the next one broadcasts
-        # only if this one's backward syncs.
+        # DDP's require_forward_param_sync: the last forward ran with gradients and gradient sync on.
+        # Written after every forward (``after``): the next one takes rank 0's buffers only then.
         self.due = True
         # - From the plan (``install``): the buffers to broadcast, none without
         #   other ranks; the group and the probe (whose watchdog waits each broadcast)
         self.refs: tuple[BufferRef, ...] = ()
         self._group: Optional[WeakGroup] = None
         self._probe: Optional[Probe] = None
+        # - Rank 0's buffers on their way, launched at the end of the last forward that left ``due``
+        self.staged: Optional[StagedBuffers] = None
 
     def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe) -> None:
         """At each plan: the replicated buffers (none at world size 1), the group, the module's probe."""
+        self._settle()  # staged for the old plan's buffers
         self.refs = tuple(refs)
         self._group = group
         self._probe = probe
 
     @property
     def wanted(self) -> bool:
-        """Whether the next forward with gradients broadcasts (``before_forward`` and ``due``)."""
+        """Whether the next forward takes rank 0's buffers (``before_forward`` and ``due``)."""
         return self.before_forward and self.due
+
+    def before(self, grad_enabled: bool, source: Optional[int] = None) -> None:
+        """Before a forward ([Note: buffer sync]): rank 0's buffers as its last forward left them, where due:
+        the staged ones (no collective), else with gradients a broadcast now, from group rank ``source``
+        inside a ``Join`` (which stages nothing) or rank 0."""
+        if not (self.refs and self.wanted):
+            self._settle()
+        elif self.staged is not None and source is None:
+            staged, self.staged = self.staged, None
+            with diagnosing(self.watch, before="the buffer broadcast"):
+                staged.copy_into(values_of(self.refs), self.watch)
+        elif grad_enabled:
+            self._settle()
+            self.broadcast(0 if source is None else source)
+
+    def after(self, grad_enabled: bool, sync_on: bool, joining: bool) -> None:
+        """After a forward (one that raised too): DDP's ``require_forward_param_sync``, and rank 0's
+        buffers sent on their way to the next forward where it will take them (not inside a ``Join``)."""
+        self.due = grad_enabled and sync_on
+        if self.refs and self.wanted and not joining and self._group is not None:
+            self._settle()
+            with diagnosing(self.watch, before="the buffer broadcast"):
+                self.staged = StagedBuffers(values_of(self.refs), self._group.get())
+
+    @property
+    def watch(self) -> Optional[StallWatch]:
+        """The stall watchdog that waits each broadcast, or None."""
+        return None if self._probe is None else self._probe.watch
+
+    def _settle(self) -> None:
+        # Lets go of staged buffers no forward will take (every rank launched them: done, or soon).
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            with diagnosing(self.watch, before="the buffer broadcast"):
+                staged.wait(self.watch)
 
     def broadcast(self, source: int) -> None:
         """Gives every rank the replicated buffers of group rank ``source``, in place ([Note: buffer sync]).
@@ -118,6 +168,58 @@ class BufferSync:
         watch = self._probe.watch
         with diagnosing(watch, before="the buffer broadcast"), preserved_versions(values):
             broadcast_coalesced(values, self._group.get(), src_rank=source, waiter=watch)
+
+
+class StagedBuffers:
+    """Rank 0's buffers on their way to every rank, launched without waiting at the end of a forward
+    ([Note: buffer sync]); the next forward waits for them and copies them in (``copy_into``).
+
+    Args:
+        values: the buffers, as they are now (rank 0's are sent).
+        group: the process group.
+    """
+
+    def __init__(self, values: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.values = list(values)
+        self.versions = [version_of(value) for value in self.values]  # a change after this one is the rank's own
+        self.source = dist.get_rank(group) == 0
+        src = dist.get_global_rank(group, 0)
+        self.chunks: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat, members)
+        with torch.no_grad():
+            for members in (c for on_device in _by_device(self.values).values() for c in _chunks(on_device)):
+                flat = (
+                    _pack_bytes(members)
+                    if self.source
+                    else torch.empty(_packed(members), dtype=torch.uint8, device=members[0].device)
+                )
+                self.chunks.append((dist.broadcast(flat, src=src, group=group, async_op=True), flat, members))
+        hold(self)
+
+    def wait(self, waiter: Optional[Waiter]) -> None:
+        """Waits for the broadcast, and lets go of it."""
+        for work, _, _ in self.chunks:
+            wait_for(cast(dist.Work, work), waiter)
+        hold(self, False)
+
+    @torch.no_grad()
+    def copy_into(self, current: Sequence[torch.Tensor], waiter: Optional[Waiter]) -> None:
+        """Waits, then copies rank 0's values into ``current`` (the buffers now), in place and keeping their
+        version counters; a buffer this rank changed or replaced since the staging keeps its own value."""
+        self.wait(waiter)
+        if self.source:
+            return
+        unchanged = {
+            id(v) for v, c, n in zip(self.values, current, self.versions, strict=True) if v is c and version_of(c) == n
+        }
+        kept = [v for v in self.values if id(v) in unchanged]
+        with preserved_versions(kept):
+            for _, flat, members in self.chunks:
+                _unpack_bytes(flat, members, only=unchanged)
+        self.chunks = []
+
+    def let_go(self) -> None:
+        """Drops the broadcast's works without waiting (at exit)."""
+        self.chunks = []
 
 
 @torch.no_grad()
@@ -141,19 +243,29 @@ def broadcast_coalesced(
 
     Every tensor takes the broadcast value in place.
     """
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_device.setdefault(tensor.device, []).append(tensor.detach())
     src = dist.get_global_rank(group, src_rank)
-    for members in (chunk for on_device in by_device.values() for chunk in _chunks(on_device)):
+    for members in (chunk for on_device in _by_device(tensors).values() for chunk in _chunks(on_device)):
         flat = _pack_bytes(members)
         wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
-        offset = 0
-        for tensor in members:
-            nbytes = tensor.numel() * tensor.element_size()
-            piece = flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-            offset += _padded(nbytes)
-            tensor.copy_(piece)
+        _unpack_bytes(flat, members)
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    # In order, by device (the tensors themselves: every caller writes them under no_grad).
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    return by_device
+
+
+def _unpack_bytes(flat: torch.Tensor, members: Sequence[torch.Tensor], only: Optional[set[int]] = None) -> None:
+    # Each member takes its piece of ``flat`` (``_pack_bytes``' layout); ``only``: the ids of those that do.
+    offset = 0
+    for tensor in members:
+        nbytes = tensor.numel() * tensor.element_size()
+        if only is None or id(tensor) in only:
+            tensor.copy_(flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
+        offset += _padded(nbytes)
 
 
 _ALIGN = 16  # bytes: every piece starts aligned for any dtype's view
@@ -179,9 +291,12 @@ def _padded(nbytes: int) -> int:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _packed(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(_padded(t.numel() * t.element_size()) for t in tensors)
+
+
 def _pack_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    total = sum(_padded(t.numel() * t.element_size()) for t in tensors)
-    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    flat = torch.empty(_packed(tensors), dtype=torch.uint8, device=tensors[0].device)
     offset = 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()

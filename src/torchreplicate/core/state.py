@@ -408,8 +408,12 @@ class ReplicateState:
         self.bucket_cap.outer = self.bucket_cap.outer if held is self.bucket_cap else held  # (re-entered)
         if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
             raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
-        if torch.is_grad_enabled() and not self.nested:
+        if self.nested:
+            pass  # the enclosing replicated module does this work
+        elif torch.is_grad_enabled():
             self._sync_before_forward(traced)
+        else:
+            self.buffer_sync.before(False)  # no collective: rank 0's staged buffers, where due ([Note: buffer sync])
         moved = None
         if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
             moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
@@ -432,7 +436,7 @@ class ReplicateState:
         lifecycle = self.lifecycle
         if lifecycle.now is TrainingState.BACKWARD and self.reducer is not None:
             self.reducer.finalize_raised_backward()  # outside a backward: the last one raised before its end ran
-        buffer_source = 0
+        buffer_source = None  # rank 0, as its last forward left them; inside a Join: a rank still training, now
         if self.joining:  # inside a Join context ([Note: join] in join.py)
             buffer_source = self.join_hook.training_round().source
         self.num_forwards += 1
@@ -440,9 +444,7 @@ class ReplicateState:
         plan = self.plan
         if self.stamp() != self.planned_stamp or [p.requires_grad for p in plan.candidates] != plan.trainable:
             self.replan_if_changed()
-        buffer_sync = self.buffer_sync
-        if buffer_sync.refs and buffer_sync.before_forward and buffer_sync.due:  # [Note: buffer sync] in buffers.py
-            buffer_sync.broadcast(buffer_source)
+        self.buffer_sync.before(True, buffer_source)  # [Note: buffer sync] in buffers.py
         now = lifecycle.now
         if now is TrainingState.IDLE or now is TrainingState.FORWARD:  # not a forward recomputed in a backward
             lifecycle.now = TrainingState.FORWARD
@@ -464,8 +466,7 @@ class ReplicateState:
             lifecycle.now = TrainingState.IDLE
         elif lifecycle.now is TrainingState.NESTED:
             return output  # nested replicate: the enclosing module does this work
-        if torch.is_grad_enabled():
-            self.buffer_sync.due = self.sync.on  # the next one broadcasts only if this backward syncs
+        self.buffer_sync.after(torch.is_grad_enabled(), self.sync.on, self.joining)  # [Note: buffer sync]
         if self.mixed is not None:
             output = self.mixed.cast_output(output)
         reducer = self.reducer

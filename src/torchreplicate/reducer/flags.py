@@ -91,7 +91,6 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import math
 import weakref
@@ -102,7 +101,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchreplicate.errors import backward_raised_error, desync_error, late_after_learning
-from torchreplicate.reducer.reduction import Waiter, wait_for
+from torchreplicate.reducer.reduction import Waiter, hold, wait_for
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket, ParamSlot
@@ -230,18 +229,6 @@ def residues_agree(sums: Sequence[float]) -> bool:
 _STAGED_WIDTH = _HEAD + 2 * _RESIDUE_WIDTH  # what a step late reads: the head, then both residue blocks
 
 
-def _let_go_at_exit() -> None:
-    # The staged works not yet let go ([Note: flags read a step late]): dropped while the interpreter is
-    # whole (the process group keeps its own reference until the work completes).
-    for staged in list(_PENDING):
-        staged.work = None
-    _PENDING.clear()
-
-
-_PENDING: weakref.WeakSet[StagedSums] = weakref.WeakSet()  # staged works an optimizer step found still running
-atexit.register(_let_go_at_exit)
-
-
 GATHER_MAX_NUMEL = 1 << 20  # host flags are all-gathered and summed here up to this many elements, all ranks'
 
 
@@ -349,13 +336,17 @@ class StagedSums:
         """
         work = self.work
         if work is not None and not block and not work.is_completed():
-            _PENDING.add(self)  # let go at exit at the latest
+            hold(self)  # let go at exit at the latest
             return False
         self.work = None
-        _PENDING.discard(self)
+        hold(self, False)
         if work is not None:
             work.wait()
         return True
+
+    def let_go(self) -> None:
+        """Drops the staged work without waiting (at exit)."""
+        self.work = None
 
     def check(
         self, group: Callable[[], dist.ProcessGroup], layout_digest: int, waiter: Optional[Waiter] = None
