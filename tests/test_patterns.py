@@ -265,7 +265,7 @@ def raised_on_one_rank(rank: int, world_size: int, options: dict, then: str) -> 
             optimizer.zero_grad()
     except RuntimeError as raised:
         error = str(raised)
-    assert error.startswith(f"replicate(): rank {rank}: synchronised backward 2 raised on rank 1 "), error
+    assert error.startswith(f"replicate(): rank {rank}: synchronised step 2 raised on rank 1 "), error
     total = torch.ones(1)
     torch.distributed.all_reduce(total)
     assert total.item() == world_size, f"rank {rank}: the group is not usable after the error"

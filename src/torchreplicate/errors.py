@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,23 @@ def gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> 
     return gathered
 
 
+def describe_error(error: BaseException) -> str:
+    """An exception in one line, for the note others' errors name: "ValueError: a bad sample"."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+class AgreedError(RuntimeError):
+    """An error every rank raises at the same point of its collective sequence, from sums every rank
+    read alike (the flags: a desync, a step that raised on some ranks, a late gradient)."""
+
+
+class StepRaisedError(AgreedError):
+    """A step raised on some ranks but not all (``backward_raised_error``): every rank raises it at the
+    same read of the flags, after one more agreed collective that brings every training clock to the
+    highest (the ranks that raised skipped an optimizer step), so the group goes on after a checkpoint."""
+
+
 def desync_error(
     group: dist.ProcessGroup,
     device: torch.device,
@@ -112,7 +129,7 @@ def desync_error(
     """
     mine = DesyncReport(dist.get_rank(group), clock, layout_digest)
     reports = gather_objects(mine, group, device)
-    return RuntimeError(format_desync(reports, mine.rank, backward, clocks_agree))
+    return AgreedError(format_desync(reports, mine.rank, backward, clocks_agree))
 
 
 def some_names(names: Sequence[str], at_most: int = 4, quote: bool = True) -> str:
@@ -138,7 +155,7 @@ def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequ
         late_params: the parameters that had one on this rank (none: another rank's).
     """
     here = f"here: {some_names(late_params)}" if late_params else "none here"
-    return RuntimeError(
+    return AgreedError(
         f"replicate(): rank {rank}: synchronised backward {step}: on {late_ranks} rank(s) a gradient arrived "
         f"after its bucket was reduced ({here}), more often than in the step the reducer learned from, so "
         'that step\'s average missed it; the graph changed. Pass replicate(..., graph="dynamic") to reduce '
@@ -147,13 +164,18 @@ def late_after_learning(rank: int, step: int, late_ranks: int, late_params: Sequ
     )
 
 
-def backward_raised_error(rank: int, step: int, raised: int, rank_sum: int) -> RuntimeError:
-    """The error every rank raises where the backward of ``step`` raised on some ranks but not all
-    ([Note: a backward that raised] in reducer.py): ``raised`` ranks, whose ranks sum to ``rank_sum``."""
+def backward_raised_error(
+    rank: int, step: int, raised: int, rank_sum: int, what: Optional[Mapping[int, str]] = None
+) -> RuntimeError:
+    """The error every rank raises where a step raised on some ranks but not all ([Note: a backward
+    that raised] in reducer.py): ``raised`` ranks, whose ranks sum to ``rank_sum``; ``what``: what each
+    raising rank noted it raised (the stall watchdog's notes), by rank."""
     where = f"rank {rank_sum}" if raised == 1 else f"{raised} ranks"
-    return RuntimeError(
-        f"replicate(): rank {rank}: synchronised backward {step} raised on {where} (out of memory, an "
-        "exception in a hook) and ended on the others, so that step's average misses the gradients of "
+    said = "; ".join(f"rank {r}: {text}" for r, text in sorted((what or {}).items()))
+    return StepRaisedError(
+        f"replicate(): rank {rank}: synchronised step {step} raised on {where}"
+        + (f" ({said})" if said else " (out of memory, an exception in the forward or a hook)")
+        + " and ended on the others, so that step's average misses the gradients of "
         f"{where}, and any optimizer step after it used that average. Every rank raises here, at the same "
         "collective; the process group stays usable. Resume every rank from the last checkpoint (torchrun "
         "--max-restarts), or let the ranks handle the exception alike (all raise, then the step is dropped)"
@@ -263,6 +285,20 @@ def warn_create_graph() -> None:
         "replicate(): backward(create_graph=True): each .grad holds the average over ranks, "
         "without the graph of the local gradient (as DDP); higher-order terms through .grad "
         "are not averaged. torch.autograd.grad(..., create_graph=True) is unaffected",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def warn_forward_raised(step: int) -> None:
+    """Warns that a synchronised forward raised on this rank, so it ran its step's collectives with zeros
+    ([Note: a backward that raised] in reducer/reducer.py)."""
+    warnings.warn(
+        f"replicate(): the forward of synchronised step {step} raised on this rank; the collectives the "
+        "other ranks run after their forward (the buffers for the next one, the gradient buckets, the flags) "
+        "ran here with zeros and flags that say so, so every rank's collective sequence stays paired. Where "
+        "it raised on every rank, training goes on; else every rank raises at the flags' next read, naming "
+        "this rank and what it raised",
         UserWarning,
         stacklevel=2,
     )

@@ -113,7 +113,7 @@ def _set_before_forward(state: ReplicateState, value: Any) -> None:
 
 
 def _set_due(state: ReplicateState, value: Any) -> None:
-    state.buffer_sync.due = _switch("require_forward_param_sync", value)
+    state.buffer_sync.set_due(_switch("require_forward_param_sync", value))
 
 
 def _device_index(state: ReplicateState) -> Optional[int]:

@@ -98,48 +98,68 @@ class BufferSync:
         # before forwards (DDP's forward_sync_buffers); the model's broadcast_buffers attribute sets it
         self.before_forward = config.broadcast_buffers
         # DDP's require_forward_param_sync: the last forward ran with gradients and gradient sync on.
-        # Written after every forward (``after``): the next one takes rank 0's buffers only then.
-        self.due = True
+        # Written after every forward (``after``), so an evaluation under no_grad on one rank clears
+        # it there only; ``agreed_due`` is the same fact as the last forward with gradients left it,
+        # every rank alike, which decides every collective
+        self.due = self.agreed_due = True
+        self.sent = False  # the last forward with gradients sent rank 0's buffers ahead (every rank alike)
         # - From the plan (``install``): the buffers to broadcast, none without
         #   other ranks; the group and the probe (whose watchdog waits each broadcast)
         self.refs: tuple[BufferRef, ...] = ()
         self._group: Optional[WeakGroup] = None
         self._probe: Optional[Probe] = None
-        # - Rank 0's buffers on their way, launched at the end of the last forward that left ``due``
+        # - Rank 0's buffers on their way, sent at the end of the last forward with gradients
         self.staged: Optional[StagedBuffers] = None
 
     def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe) -> None:
         """At each plan: the replicated buffers (none at world size 1), the group, the module's probe."""
         self._settle()  # staged for the old plan's buffers
+        self.sent = False
         self.refs = tuple(refs)
         self._group = group
         self._probe = probe
 
     @property
     def wanted(self) -> bool:
-        """Whether the next forward takes rank 0's buffers (``before_forward`` and ``due``)."""
+        """Whether the next forward takes rank 0's buffers (``before_forward`` and ``due``: DDP's rule)."""
         return self.before_forward and self.due
+
+    @property
+    def agreed(self) -> bool:
+        """``wanted`` as the last forward with gradients left it: every rank alike (a Join's round reads it)."""
+        return self.before_forward and self.agreed_due
+
+    def set_due(self, due: bool) -> None:
+        """DDP's ``require_forward_param_sync`` set by hand (on every rank, as on DDP)."""
+        self.due = self.agreed_due = due
 
     def before(self, grad_enabled: bool, source: Optional[int] = None) -> None:
         """Before a forward ([Note: buffer sync]): rank 0's buffers as its last forward left them, where due:
-        the staged ones (no collective), else with gradients a broadcast now, from group rank ``source``
-        inside a ``Join`` (which stages nothing) or rank 0."""
-        if not (self.refs and self.wanted):
-            self._settle()
-        elif self.staged is not None and source is None:
+        those sent ahead (no collective); else, with gradients, where nothing was sent ahead and every
+        rank's last forward with gradients left it due, a broadcast now (inside a ``Join``: from group
+        rank ``source``, where the join round said so: ``agreed``)."""
+        if not self.refs:
+            return
+        if source is None and self.staged is not None and self.wanted:
             staged, self.staged = self.staged, None
             with diagnosing(self.watch, before="the buffer broadcast"):
                 staged.copy_into(values_of(self.refs), self.watch)
-        elif grad_enabled:
-            self._settle()
+            return
+        self._settle()
+        if grad_enabled and self.agreed and (source is not None or not self.sent):
             self.broadcast(0 if source is None else source)
 
     def after(self, grad_enabled: bool, sync_on: bool, joining: bool) -> None:
-        """After a forward (one that raised too): DDP's ``require_forward_param_sync``, and rank 0's
-        buffers sent on their way to the next forward where it will take them (not inside a ``Join``)."""
+        """After a forward (one that raised too): DDP's ``require_forward_param_sync``, and after one with
+        gradients rank 0's buffers sent ahead to the next forward where it will take them (not in a Join)."""
         self.due = grad_enabled and sync_on
-        if self.refs and self.wanted and not joining and self._group is not None:
-            self._settle()
+        if not grad_enabled:
+            return
+        self.agreed_due = self.due
+        self._settle()
+        self.sent = bool(self.refs) and self.agreed and not joining and self._group is not None
+        if self.sent:
+            assert self._group is not None
             with diagnosing(self.watch, before="the buffer broadcast"):
                 self.staged = StagedBuffers(values_of(self.refs), self._group.get())
 

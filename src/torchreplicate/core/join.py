@@ -75,7 +75,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
     if training:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
-        vector[world_size + 1] = float(state.buffer_sync.wanted)
+        vector[world_size + 1] = float(state.buffer_sync.agreed)
     all_reduce(vector, group, state.probe.watch)
     flags = vector.tolist()
     present = [r for r, v in enumerate(flags[:world_size]) if v > 0]

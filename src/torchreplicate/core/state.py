@@ -22,6 +22,7 @@ registered directly, with no wrapper layers between.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -39,7 +40,7 @@ from torchreplicate.core.nested import class_name
 from torchreplicate.core.plan import EMPTY_PLAN, Plan, describe_change, new_tensors
 from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
-from torchreplicate.errors import compiled_hook_error, ddp_on_top_error, graph_capture_error
+from torchreplicate.errors import compiled_hook_error, ddp_on_top_error, describe_error, graph_capture_error
 from torchreplicate.faults.place import Collective, Place
 from torchreplicate.faults.watchdog import diagnosing
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
@@ -456,6 +457,19 @@ class ReplicateState:
         # After every forward of the root, one that raised too: DDP's attribute as it was ([Note: compiled ...]).
         swap_active_ddp_module(self.bucket_cap.outer)
         self.bucket_cap.outer = None
+        if self.lifecycle.now is TrainingState.FORWARD:  # the forward raised: _post_forward never ran
+            self._end_raised_forward(sys.exc_info()[1])
+
+    def _end_raised_forward(self, error: Optional[BaseException]) -> None:
+        # A forward that raised here, after the forward's own collectives ([Note: a backward that raised]
+        # in reducer.py): the collectives the other ranks run after theirs run here too, so every rank's
+        # sequence stays paired whether this rank's loop retries the batch or skips it: the buffers for
+        # the next forward, then the backward's, with flags that say this rank raised (and what).
+        self.lifecycle.now = TrainingState.IDLE
+        grad_enabled = torch.is_grad_enabled()
+        self.buffer_sync.after(grad_enabled, self.sync.on, self.joining)
+        if grad_enabled and self.sync.on and self.reducer is not None:
+            self.reducer.end_raised_forward(describe_error(error) if error is not None else "an exception")
 
     @torch.compiler.disable  # the outputs get real (eager) hooks
     @labelled("post_forward")

@@ -75,7 +75,7 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -229,6 +229,23 @@ class StallWatch:
             if (waited := time.monotonic() - started) >= look_at:
                 self.look_at_peers(waited)
                 look_at *= 2
+
+    def note_raised(self, step: int, what: str) -> None:
+        """Leaves a note that this rank raised in ``step`` (``what``: the exception, one line), which the
+        others' error names ([Note: a backward that raised] in reducer/reducer.py); one store write."""
+        with contextlib.suppress(Exception):  # the store is gone: the others' error names the rank alone
+            self._store.set(f"raised/{self.rank}", json.dumps({"step": step, "what": what}))
+
+    def raised_notes(self, ranks: Iterable[int]) -> dict[int, str]:
+        """What ``ranks`` noted they raised (``note_raised``), where they left a note: "step 3: ValueError: ..."."""
+        notes = {}
+        for rank in ranks:
+            key = f"raised/{rank}"
+            with contextlib.suppress(Exception):
+                if self._store.check([key]):
+                    note = json.loads(self._store.get(key))
+                    notes[rank] = f"step {note['step']}: {note['what']}"
+        return notes
 
     def look_at_peers(self, waited: float) -> None:
         """Warns for each live peer outside the step; raises for a peer gone or in another collective.

@@ -91,16 +91,17 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchreplicate.errors import backward_raised_error, desync_error, late_after_learning
+from torchreplicate.errors import StepRaisedError, backward_raised_error, desync_error, late_after_learning
 from torchreplicate.reducer.reduction import Waiter, hold, wait_for
 
 if TYPE_CHECKING:
@@ -152,6 +153,18 @@ class TrainingClock:
         assert steps >= self.steps, (steps, self.steps)
         self.steps = steps
 
+    @contextlib.contextmanager
+    def caught_up_on_raise(self, group: Callable[[], dist.ProcessGroup], device: torch.device) -> Iterator[None]:
+        """Where a step raised on some ranks (``StepRaisedError``, raised inside, on every rank alike):
+        first one MAX all-reduce of the clocks, so the ranks that skipped its optimizer step count it."""
+        try:
+            yield
+        except StepRaisedError:
+            steps = torch.tensor([float(self.steps)], dtype=torch.float64, device=device)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group())
+            self.catch_up(int(steps.item()))
+            raise
+
 
 class OptimizerSteps:
     """Advances the training clocks: one global optimizer step post-hook (torch's public
@@ -201,10 +214,13 @@ class FlagSums(NamedTuple):
     Attributes:
         unused_everywhere: indices of parameters no rank holds a gradient for.
         any_late: some rank had a gradient arrive after its bucket was launched.
+        raised: how many ranks said they raised ([Note: a backward that raised] in reducer.py); 0 where
+            the sums are read a step late (what they say is raised then).
     """
 
     unused_everywhere: frozenset[int]
     any_late: bool
+    raised: int = 0
 
 
 _HEAD = 3  # after the parameters' elements: the late flag, the ranks whose backward raised, the sum of their ranks
@@ -369,7 +385,7 @@ class StagedSums:
         else:
             self.settle()  # launched a step ago, before this step's buckets, which are back: done
         rest, step, self.step = self.values.tolist(), self.step, -1
-        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step)
+        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step, waiter)
         if rest[0] > 0:
             raise late_after_learning(dist.get_rank(group()), step, round(rest[0]), self.late_params)
 
@@ -381,12 +397,17 @@ def raise_on_desync(
     clock: int,
     layout_digest: int,
     step: int,
+    waiter: Optional[Waiter] = None,
 ) -> None:
     """Raises, on every rank, when the summed flags after the parameters' counts (``rest``) say that
-    the backward of ``step`` raised on some ranks but not all ([Note: a backward that raised] in
-    reducer.py), or that the ranks disagree ([Note: desync detection])."""
+    a step raised on some ranks but not all ([Note: a backward that raised] in reducer.py: named with
+    what they raised where ``waiter``, the stall watchdog, holds their notes), or that the ranks
+    disagree ([Note: desync detection])."""
     if rest[1] > 0 and rest[1] < dist.get_world_size(group()):
-        raise backward_raised_error(dist.get_rank(group()), step, round(rest[1]), round(rest[2]))
+        raised, rank_sum = round(rest[1]), round(rest[2])
+        notes = getattr(waiter, "raised_notes", None)  # the stall watchdog's, where one runs
+        what = notes([rank_sum] if raised == 1 else range(dist.get_world_size(group()))) if notes else {}
+        raise backward_raised_error(dist.get_rank(group()), step, raised, rank_sum, what)
     clocks_agree = residues_agree(rest[_HEAD : _HEAD + _RESIDUE_WIDTH])
     if not (clocks_agree and residues_agree(rest[_HEAD + _RESIDUE_WIDTH :])):
         raise desync_error(group(), device, clock, layout_digest, step, clocks_agree)
@@ -481,11 +502,17 @@ class StepFlags:
         return 0 if self.carrier is not None else self.tail.numel() * self.tail.element_size()
 
     def send(
-        self, unused_here: Sequence[int], late: bool, group: dist.ProcessGroup, raised: bool = False
+        self,
+        unused_here: Sequence[int],
+        late: bool,
+        group: dist.ProcessGroup,
+        raised: bool = False,
+        raised_earlier: bool = False,
     ) -> Optional[dist.Work]:
         """Fills this step's flags (the clock as it is now) and launches their all-reduce; returns its work.
         Carried: writes them into the last bucket's room, which its launch sums; returns None.
-        ``raised``: this rank's backward raised ([Note: a backward that raised] in reducer.py): no gradient."""
+        ``raised``: this rank's step raised before its flags left ([Note: a backward that raised] in
+        reducer.py): no gradient; ``raised_earlier``: the last step raised after they left."""
         tail = self.tail.copy_(self.ordinary)
         at = self.num_params + _HEAD
         tail[at : at + _RESIDUE_WIDTH].copy_(self.clock_rows[self.clock.steps % _PERIOD])
@@ -495,6 +522,8 @@ class StepFlags:
             tail[self.num_params] = 1
         if raised:
             tail[: self.num_params + 3] = torch.tensor([0.0] * self.num_params + [0.0, 1.0, dist.get_rank(group)])
+        elif raised_earlier:
+            tail[self.num_params + 1 : self.num_params + 3] = torch.tensor([1.0, dist.get_rank(group)])
         return self._travel(tail, group)
 
     def send_zeros(self, group: dist.ProcessGroup) -> Optional[dist.Work]:
@@ -517,15 +546,22 @@ class StepFlags:
         assert self.carrier is not None, "carried flags only"
         self.tail.copy_(self.carrier if sums is None else sums)
 
-    def read(self, unused_here: Sequence[int], group: Callable[[], dist.ProcessGroup], step: int) -> FlagSums:
+    def read(
+        self,
+        unused_here: Sequence[int],
+        group: Callable[[], dist.ProcessGroup],
+        step: int,
+        waiter: Optional[Waiter] = None,
+    ) -> FlagSums:
         """Reads the summed flags (their all-reduce waited) at the end of ``step``.
 
         Raises:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
         """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
-        raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step)
-        return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0)
+        with self.clock.caught_up_on_raise(group, self.tail.device):
+            raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step, waiter)
+        return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0, round(rest[1]))
 
     def stage(
         self,
@@ -541,7 +577,12 @@ class StepFlags:
         this step's (being summed by ``work``) for the next step's end, and returns what this step
         needs now: the parameters no rank used, read only where this rank used none (then ``work``
         is waited now: [Note: flags read a step late])."""
-        staged.check(group, self.layout_digest, waiter)  # after this step's collectives: every rank raises here
+        try:
+            with self.clock.caught_up_on_raise(group, self.tail.device):
+                staged.check(group, self.layout_digest, waiter)  # after this step's collectives: every rank raises here
+        except RuntimeError:
+            self.wait(work, waiter)  # nothing left in flight that the next step's flags would race with
+            raise
         unused: frozenset[int] = frozenset()
         if unused_here:
             self.wait(work, waiter)

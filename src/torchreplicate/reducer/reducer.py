@@ -33,33 +33,56 @@ next step instead, and no late round runs ([Note: flags read a step late]
 in flags.py).
 
 [Note: a backward that raised]
-A backward that raised (an exception in a hook or an autograd Function, out
-of memory) drops its queued end-of-backward callback, so its step never
-ends: some buckets left, others hold part of this rank's gradients. The
-reducer holds the callback it queued only weakly, so the first gradient
-hook of the next backward (a retry on a retained graph) sees it gone; the
-next forward with gradients sees the module still in ``BACKWARD`` outside
-any backward. Either ends the failed step (``finalize_raised_backward``):
-it waits for the collectives the step launched, sets every replicated
-parameter's ``.grad`` to None, as ``zero_grad(set_to_none=True)`` would,
-with a warning (the partial sums are neither this rank's gradients nor
-their average), and runs the rest of the step's collective sequence as a
-joined rank does: zeros for the buckets not launched, then flags that say
-"raised on this rank". So the ranks' sequences stay one, and the flags'
-sums tell every rank how many ranks raised, where the sums are read (at
-that step's end, or a step late). Raised on every rank alike: training
-goes on, the next step exact (tests/test_patterns.py: raised backward).
-Raised on some ranks only (an out-of-memory error on one): the others
-ended that step on an average that misses those ranks' gradients, so every
-rank raises at the read, naming the ranks (``backward_raised_error``; the
-others wait in their end of backward meanwhile, and the watchdog names a
-rank that never comes back). DDP refuses to go on on the raising rank
-("Expected to have finished reduction in the prior iteration"), and the
-others wait at their next collective.
+Every rank must keep running the same collectives even where a step raised
+on some ranks only. Four places a step can raise on one rank:
+
+- In its backward (an exception in a hook or an autograd Function, out of
+  memory): the engine drops its queued end-of-backward callback, so its
+  step never ends: some buckets left, others hold part of this rank's
+  gradients. The reducer holds the callback it queued only weakly, so the
+  first gradient hook of the next backward (a retry on a retained graph)
+  sees it gone; the next forward with gradients sees the module still in
+  ``BACKWARD`` outside any backward. Either ends the failed step
+  (``finalize_raised_backward``): it waits for the collectives the step
+  launched, sets every replicated parameter's ``.grad`` to None, as
+  ``zero_grad(set_to_none=True)`` would, with a warning (the partial sums
+  are neither this rank's gradients nor their average), and runs the rest
+  of the step's collective sequence as a joined rank does: zeros for the
+  buckets not launched, then flags that say "raised on this rank".
+- In its forward, after the forward's own collectives (a bad sample, out of
+  memory on the longest sequence), caught by the loop, which skips or
+  retries the batch while the others go on to backward: the forward's
+  always-called hook (``ReplicateState._end_raised_forward``) runs here
+  what the others run after their forward: the buffers sent ahead for the
+  next forward, then the backward's collectives, zeros, with flags that
+  say so (``end_raised_forward``).
+- In its end of backward, before its flags left: the same as a raised
+  backward, from the first bucket not launched (``_end_failed_step``).
+- In its end of backward, after its flags left (the rounds after the
+  buckets, the rebuild of the buckets, an optimizer in backward): the rest
+  of the step's collectives run as a joined rank's, a layout every rank
+  agreed on but this one could not build is built at its next backward's
+  start (``rebuild_pending``), and the next step's flags say it raised.
+
+The raising rank leaves a note of what it raised with the stall watchdog
+(``StallWatch.note_raised``). The flags' sums tell every rank how many
+ranks raised, where the sums are read (at that step's end, or a step
+late). Raised on every rank alike: training goes on, the step dropped (the
+next step exact: tests/test_patterns.py, tests/test_raised_steps.py).
+Raised on some ranks only: the others ended that step on an average that
+misses those ranks' gradients, so every rank raises at the same read
+(``StepRaisedError``), naming the ranks and what they raised, after one
+more collective that brings every training clock to the highest (a rank
+that skipped the batch skipped an optimizer step): the group stays usable,
+and a job that goes back to a checkpoint trains on as if nothing had
+raised. DDP refuses to go on on the raising rank ("Expected to have
+finished reduction in the prior iteration"), and the others wait at their
+next collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -71,10 +94,13 @@ from torch import nn
 from torch.compiler import is_compiling
 
 from torchreplicate.errors import (
+    AgreedError,
+    describe_error,
     foreign_hook_error,
     raise_with_place,
     warn_backward_raised,
     warn_create_graph,
+    warn_forward_raised,
     warn_late_unreduced,
 )
 from torchreplicate.faults.place import Collective, Place
@@ -168,6 +194,15 @@ class Reducer:
         # the end-of-backward callback queued for this step, held weakly: None once
         # the engine dropped it, with a backward that raised ([Note: a backward that raised])
         self._end: Callable[[], Optional[object]] = _no_callback
+        # how far this step's collectives got: where a failed end of backward goes on from
+        # ([Note: a backward that raised]); reset by _new_step
+        self.flags_sent = self.rounds_done = self.layout_agreed = False
+        self.sums = FlagSums(frozenset(), False)  # what this step's flags said, once read
+        # - Carried to the next step: a layout the last step agreed on but could not build here
+        #   (its buckets built at the next backward's start), and an error raised after the flags left
+        #   (sent in the next step's flags)
+        self.rebuild_pending = False
+        self.raised_earlier = False
         sparse_ids = {id(slot.param) for slot in self.sparse.slots}
         for slot in self.slots:
             hook = self._on_sparse_grad if id(slot.param) in sparse_ids else self._on_grad_accumulated
@@ -262,6 +297,8 @@ class Reducer:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
         self.finalize_raised_backward()  # if the last backward raised: [Note: a backward that raised]
+        if lifecycle.now is not TrainingState.BACKWARD:
+            self._build_agreed_layout()
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
@@ -371,7 +408,7 @@ class Reducer:
         end_ns = time.perf_counter_ns()
         try:
             with diagnosing(self.probe.watch):
-                sums = self._reduce_rest()
+                sums = self.sums = self._reduce_rest()
                 late_grads: dict[int, torch.Tensor] = {}
                 for bucket in self.buckets:
                     late_grads.update(bucket.restore(sums.unused_everywhere, sums.any_late))
@@ -380,13 +417,61 @@ class Reducer:
                     inputs = self._round_inputs(sums, late_grads)
                     for round_ in rounds:
                         round_.reduce(inputs)
+                self.rounds_done = True
                 self._learn(self.first_ready, self.first_ready_ns, end_ns)
                 self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
                 if self.in_backward_optimizer_slots:
                     step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
+        except Exception as error:
+            self._end_failed_step(error)
+            raise
         finally:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
+
+    def _end_failed_step(self, error: Exception) -> None:
+        # The end of backward raised here ([Note: a backward that raised]): where every rank raised alike
+        # (the flags' read) or a collective failed (the group is gone), nothing more; else this rank runs
+        # what is left of the step's collectives, as a joined rank does, and says it raised: in this
+        # step's flags if they had not left, else in the next step's.
+        watch = self.probe.watch
+        if isinstance(error, AgreedError) or (watch is not None and watch.failed):
+            return
+        step, what = self.num_steps - self.layout_agreed, describe_error(error)  # _learn counted the step
+        if watch is not None:
+            watch.note_raised(step, what)
+        if not self.flags_sent:
+            first = self.num_launched
+            for bucket in self.buckets:
+                bucket.abandon()
+            self.sparse.abandon()
+            self._new_step()
+            with contextlib.suppress(AgreedError):  # this rank raises its own error; the others, the agreed one
+                self._shadow(first, raised=True)
+            return
+        self.raised_earlier = True
+        if not self.rounds_done:
+            inputs = self._round_inputs(self.sums, {})
+            for round_ in (LATE_ROUND, *self.rounds) if self.sums.any_late else self.rounds:
+                round_.shadow(inputs)
+        if not self.layout_agreed:
+            self._learn()
+
+    def _build_agreed_layout(self) -> None:
+        # The layout every rank agreed on at the last step's end, where it could not be built then.
+        if self.rebuild_pending:
+            self._rebuild_buckets()
+
+    def end_raised_forward(self, what: str) -> None:
+        """A synchronised forward raised on this rank ([Note: a backward that raised]): the backward the
+        other ranks run, as a joined rank's (zeros), with flags that say this rank raised ``what``."""
+        warn_forward_raised(self.num_steps)
+        if self.probe.watch is not None:
+            self.probe.watch.note_raised(self.num_steps, what)
+        self._build_agreed_layout()
+        self._new_step()
+        with contextlib.suppress(AgreedError):  # raised here too at an immediate read: this rank has its own
+            self._shadow(0, raised=True)
 
     def _reduce_rest(self) -> FlagSums:
         probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
@@ -395,13 +480,18 @@ class Reducer:
         flags, group, late = self.flags, self._group.get(), bool(self.late)
         after_waits, before = self.reduction.flags_after_waits, self._flags_before_last  # [Note: the flags' ...]
         work = None
+
+        def send() -> Optional[dist.Work]:
+            self.flags_sent, earlier, self.raised_earlier = True, self.raised_earlier, False
+            return flags.send(unused_here, late, group, raised_earlier=earlier)
+
         for bucket in buckets[self.num_launched :]:
             unused_here += bucket.fill()
             if before and bucket is buckets[-1]:
-                work = flags.send(unused_here, late, group)  # carried: into the last bucket's room
+                work = send()  # carried: into the last bucket's room
             self._launch(bucket, False)
         if not before and not after_waits:  # right after the last bucket's
-            work = flags.send(unused_here, late, group)
+            work = send()
         for bucket in buckets:
             with probe.waiting(bucket.index, bucket.description, num_steps):
                 try:
@@ -409,13 +499,13 @@ class Reducer:
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
         if after_waits:
-            work = flags.send(unused_here, late, group)
+            work = send()
         elif flags.carrier is not None:
             flags.landed()
         if self.reads_now:
             probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
             self.flags.wait(work, probe.watch)
-            return self.flags.read(unused_here, self._group.get, num_steps)
+            return self.flags.read(unused_here, self._group.get, num_steps, probe.watch)
         if self.late:
             warn_late_unreduced(num_steps, self.late)
         return self.flags.stage(self.staged, work, probe.watch, num_steps, unused_here, self.late, self._group.get)
@@ -454,6 +544,7 @@ class Reducer:
     def shadow_step(self) -> None:
         """A joined rank's part of one synchronised backward: the same collectives, zeros ([Note: join])."""
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
+        self._build_agreed_layout()
         self._shadow(0)
         self._new_step()
 
@@ -479,7 +570,10 @@ class Reducer:
         any_late = False  # the training ranks' late flag, read now or a step late
         if self.reads_now:
             flags.wait(work, watch)
-            any_late = flags.read((), self._group.get, self.num_steps).any_late
+            sums = flags.read((), self._group.get, self.num_steps, watch)
+            if sums.raised == dist.get_world_size(group):
+                return  # raised on every rank: no rank took the step, nothing to learn from it
+            any_late = sums.any_late
         else:
             flags.stage(self.staged, work, watch, self.num_steps, (), (), self._group.get)
         inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
@@ -489,6 +583,7 @@ class Reducer:
 
     def _new_step(self) -> None:
         # The one reset at a step's end: the reducer's part and each bucket's.
+        self.flags_sent = self.rounds_done = self.layout_agreed = False
         self.num_launched = 0
         self.late = []
         self.first_ready, self.first_ready_ns = [], []
@@ -515,16 +610,20 @@ class Reducer:
         else:
             due = policy.tune_cap and self.num_steps % layout_policy.RETUNE_EVERY == 0  # read here: tests shorten it
             rebuild = due and retune_cap(policy, self.group, like)
+        self.layout_agreed = True  # every collective of the step is behind it
         if rebuild:
+            self.rebuild_pending = True  # until built: a failure here leaves it for the next backward's start
             self._rebuild_buckets()
 
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new.
-        self.buckets = build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
-        for bucket in self.buckets:
+        buckets = build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
+        self.buckets = buckets
+        for bucket in buckets:
             bucket.adopt_grads()
         self._bind()
         self._info = None
+        self.rebuild_pending = False
 
 
 _BACKWARD = TrainingState.BACKWARD  # read at every gradient hook
