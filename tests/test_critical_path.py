@@ -109,7 +109,7 @@ class _SlowFlags:
         self.work, self.log, self.step = work, log, log["step"]
 
     def is_completed(self) -> bool:
-        return self.log["step"] > self.step and self.work.is_completed()
+        return self.log["step"] > self.step and bool(self.work.is_completed())
 
     def wait(self, *args: Any) -> bool:
         self.log["waits"].append((self.step, self.log["step"], self.log["phase"], self.is_completed()))
@@ -154,10 +154,12 @@ def never_waits_for_its_flags(rank: int, world_size: int, layout: str) -> list[t
 
 @pytest.mark.parametrize("layout", ["learned", "fixed"])
 def test_the_step_never_waits_for_its_own_flags(pools, layout):
-    """The flags' all-reduce reads as running until the next step's forward: no wait in the step blocks on
-    it (the optimizer step lets go of it only if done; the next step's end reads it, done by then)."""
+    """The flags' all-reduce reads as running until the next step: nothing in the forward or the backward
+    waits for it. The optimizer step that follows lets go of its work, waiting if it must: a gloo work kept
+    past its step aborts processes at exit ([Note: flags read a step late]); it left right after the last
+    bucket, so it is done by then but where the machine is oversubscribed."""
     for rank, waits in enumerate(pools.run(2, never_waits_for_its_flags, layout)):
-        blocked = [w for w in waits if not w[3]]
+        blocked = [w for w in waits if not w[3] and w[2] != "optimizer"]
         assert not blocked, f"rank {rank}: waited for the flags of step {blocked[0][0]} in its {blocked[0][2]}"
         if layout == "learned":
             assert {w[0] for w in waits} >= {2, 3, 4}, f"rank {rank}: the flags of steps 2-4 never read: {waits}"

@@ -118,11 +118,14 @@ def test_object_gathers_run_with_the_modules_gpu_current(monkeypatch):
     assert seen == [torch.device("cuda", 3)], "no device made current for a CPU module"
 
 
-def test_the_staged_flags_record_on_their_own_devices_stream(monkeypatch):
+def test_the_staged_flags_go_to_the_host_on_a_stream_of_their_own(monkeypatch):
+    """On an accelerator the flags' sums are copied to the host on a side stream of the flags' device, which
+    waits for the step's stream (the last bucket carried them) or for their own all-reduce: the step's
+    stream never waits for the flags ([Note: the flags' own all-reduce] in reducer/flags.py)."""
     from torchreplicate.reducer import flags
 
     streams = []
-    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: streams.append(device) or "stream")
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device: streams.append(device) or "step")
 
     class FakeEvent:
         def __init__(self, device):
@@ -131,11 +134,34 @@ def test_the_staged_flags_record_on_their_own_devices_stream(monkeypatch):
         def record(self, stream):
             self.stream = stream
 
+    class FakeStream:
+        def __init__(self):
+            self.waited, self.entered = [], 0
+
+        def __enter__(self):
+            self.entered += 1
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait_stream(self, other):
+            self.waited.append(other)
+
+    class FakeWork:
+        waited_on = None
+
+        def wait(self):
+            FakeWork.waited_on = side.entered  # inside the side stream's context: that stream waits
+
     staged = flags.StagedSums(torch.device("cpu"))
     device = torch.device("meta")  # as on an accelerator (pinned host memory needs one): the event path
+    side = FakeStream()
     staged.device, staged.event, staged.host = device, FakeEvent(device), torch.zeros(flags._STAGED_WIDTH)
-    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())
-    assert streams == [torch.device("meta")] and staged.event.stream == "stream"
+    staged.side = side  # type: ignore[assignment]
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())  # carried
+    assert streams == [torch.device("meta")] and side.waited == ["step"] and staged.event.stream is side
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, FakeWork(), None, step=2, clock=0, late_params=())
+    assert FakeWork.waited_on == 2 and side.waited == ["step"], "the side stream waits for the flags' work"
 
 
 def watch_on_a_cpu_gloo_group(rank, world_size):

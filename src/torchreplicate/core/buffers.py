@@ -65,7 +65,8 @@ from torch import nn
 
 from torchreplicate.config import ReplicateConfig
 from torchreplicate.faults.watchdog import StallWatch, diagnosing
-from torchreplicate.reducer.reduction import Waiter, WeakGroup, hold, wait_for
+from torchreplicate.reducer.flags import TrainingClock
+from torchreplicate.reducer.reduction import Waiter, WeakGroup, wait_for
 from torchreplicate.torch_internals import preserved_versions, version_of
 
 if TYPE_CHECKING:
@@ -108,16 +109,19 @@ class BufferSync:
         self.refs: tuple[BufferRef, ...] = ()
         self._group: Optional[WeakGroup] = None
         self._probe: Optional[Probe] = None
+        self._clock: Optional[TrainingClock] = None
         # - Rank 0's buffers on their way, sent at the end of the last forward with gradients
         self.staged: Optional[StagedBuffers] = None
 
-    def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe) -> None:
-        """At each plan: the replicated buffers (none at world size 1), the group, the module's probe."""
+    def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe, clock: TrainingClock) -> None:
+        """At each plan: the replicated buffers (none at world size 1), the group, the module's probe, and
+        its training clock (the optimizer step that follows a forward lets go of the broadcast it sent)."""
         self._settle()  # staged for the old plan's buffers
         self.sent = False
         self.refs = tuple(refs)
         self._group = group
         self._probe = probe
+        self._clock = clock
 
     @property
     def wanted(self) -> bool:
@@ -162,6 +166,8 @@ class BufferSync:
             assert self._group is not None
             with diagnosing(self.watch, before="the buffer broadcast"):
                 self.staged = StagedBuffers(values_of(self.refs), self._group.get())
+            if self._clock is not None:
+                self._clock.held.append(self.staged)  # its work let go at the optimizer step, the data kept
 
     @property
     def watch(self) -> Optional[StallWatch]:
@@ -201,7 +207,7 @@ class StagedBuffers:
 
     def __init__(self, values: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
         self.values = list(values)
-        self.versions = [version_of(value) for value in self.values]  # a change after this one is the rank's own
+        self.versions = _versions(self.values)  # a change after this one is the rank's own
         self.source = dist.get_rank(group) == 0
         src = dist.get_global_rank(group, 0)
         self.chunks: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat, members)
@@ -213,13 +219,20 @@ class StagedBuffers:
                     else torch.empty(_packed(members), dtype=torch.uint8, device=members[0].device)
                 )
                 self.chunks.append((dist.broadcast(flat, src=src, group=group, async_op=True), flat, members))
-        hold(self)
 
     def wait(self, waiter: Optional[Waiter]) -> None:
-        """Waits for the broadcast, and lets go of it."""
-        for work, _, _ in self.chunks:
-            wait_for(cast(dist.Work, work), waiter)
-        hold(self, False)
+        """Waits for the broadcast, and lets go of its works (the data stays for ``copy_into``)."""
+        for index, (work, flat, members) in enumerate(self.chunks):
+            if work is not None:
+                wait_for(cast(dist.Work, work), waiter)
+                self.chunks[index] = (None, flat, members)
+
+    def settle(self) -> None:
+        """At the optimizer step after the forward that sent it: lets go of its works (done by then)."""
+        for index, (work, flat, members) in enumerate(self.chunks):
+            if work is not None:
+                work.wait()
+                self.chunks[index] = (None, flat, members)
 
     @torch.no_grad()
     def copy_into(self, current: Sequence[torch.Tensor], waiter: Optional[Waiter]) -> None:
@@ -228,9 +241,8 @@ class StagedBuffers:
         self.wait(waiter)
         if self.source:
             return
-        unchanged = {
-            id(v) for v, c, n in zip(self.values, current, self.versions, strict=True) if v is c and version_of(c) == n
-        }
+        pairs = zip(self.values, current, self.versions, _versions(current), strict=True)
+        unchanged = {id(v) for v, c, then, now in pairs if v is c and then == now}
         kept = [v for v in self.values if id(v) in unchanged]
         with preserved_versions(kept):
             for _, flat, members in self.chunks:
@@ -239,7 +251,7 @@ class StagedBuffers:
 
     def let_go(self) -> None:
         """Drops the broadcast's works without waiting (at exit)."""
-        self.chunks = []
+        self.chunks = [(None, flat, members) for _, flat, members in self.chunks]
 
 
 @torch.no_grad()
@@ -268,6 +280,11 @@ def broadcast_coalesced(
         flat = _pack_bytes(members)
         wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
         _unpack_bytes(flat, members)
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    # Each tensor's count of in-place writes (torch_internals.version_of), read in one place.
+    return [version_of(tensor) for tensor in tensors]
 
 
 def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -372,7 +372,7 @@ class ReplicateState:
         if reduces:
             self.reducer = self.build_reducer(learned)
         self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
-        self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe)
+        self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe, self.clock)
 
     def build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
         """A reducer for the current plan and options (setup.py's ``build_reducer``), not installed.
@@ -405,7 +405,7 @@ class ReplicateState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         # Before every forward of the root; returns moved or cast inputs, or None to keep them.
         # the DDP whose forward runs around this one; dynamo splits at our buckets ([Note: compiled backward ...])
-        held, ddp, traced = swap_active_ddp_module(self.bucket_cap)
+        held, ddp, traced = self._swap_active_ddp_module(self.bucket_cap)
         self.bucket_cap.outer = self.bucket_cap.outer if held is self.bucket_cap else held  # (re-entered)
         if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
             raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
@@ -455,10 +455,15 @@ class ReplicateState:
     @torch.compiler.disable
     def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         # After every forward of the root, one that raised too: DDP's attribute as it was ([Note: compiled ...]).
-        swap_active_ddp_module(self.bucket_cap.outer)
+        self._swap_active_ddp_module(self.bucket_cap.outer)
         self.bucket_cap.outer = None
         if self.lifecycle.now is TrainingState.FORWARD:  # the forward raised: _post_forward never ran
             self._end_raised_forward(sys.exc_info()[1])
+
+    @staticmethod
+    def _swap_active_ddp_module(value: Any) -> tuple[Any, Any, bool]:
+        # Both ends of every forward set DDP's class attribute here ([Note: compiled backward ...]).
+        return swap_active_ddp_module(value)
 
     def _end_raised_forward(self, error: Optional[BaseException]) -> None:
         # A forward that raised here, after the forward's own collectives ([Note: a backward that raised]

@@ -58,6 +58,7 @@ alive until it launches: at most the bucket's bytes, of small tensors.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -311,7 +312,9 @@ class Bucket:
         """Ends a backward that raised ([Note: a backward that raised] in reducer.py): waits for the
         collective it launched, if any, and sets every ``.grad`` to None."""
         if self.work is not None:
-            self.wait()
+            with contextlib.suppress(Exception):  # the collective's own error (a comm hook's): the step's is raised
+                self.wait()
+        self.work = None
         for slot in self.slots:
             slot.param.grad = None
 

@@ -91,6 +91,7 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import math
@@ -102,7 +103,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchreplicate.errors import StepRaisedError, backward_raised_error, desync_error, late_after_learning
-from torchreplicate.reducer.reduction import Waiter, hold, wait_for
+from torchreplicate.reducer.reduction import Waiter, wait_for
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket, ParamSlot
@@ -139,14 +140,14 @@ class TrainingClock:
     ``OptimizerSteps`` advances it.
     """
 
-    __slots__ = ("steps", "param_ids", "staged", "__weakref__")
+    __slots__ = ("steps", "param_ids", "held", "__weakref__")
 
     def __init__(self) -> None:
         self.steps = 0  # optimizer steps that touched the module's replicated parameters
         self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
-        # the module's staged flags whose all-reduce is not waited yet (on the host), settled at the
-        # optimizer step that follows their backward ([Note: flags read a step late])
-        self.staged: Optional[StagedSums] = None
+        # works of the step not waited yet (the staged flags' on the host, the buffers sent ahead),
+        # let go at the optimizer step that follows ([Note: flags read a step late]), done by then
+        self.held: list[Any] = []  # each with a settle()
 
     def catch_up(self, steps: int) -> None:
         """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
@@ -178,6 +179,7 @@ class OptimizerSteps:
     def __init__(self) -> None:
         self.clocks: weakref.WeakSet[TrainingClock] = weakref.WeakSet()  # the live replicated modules' clocks
         self.handle: Any = None  # torch's hook handle; None until installed
+        self.exit_hook = False  # let_go_at_exit registered
         # optimizer -> (its param_groups' shape when read, ids of its parameters)
         self.params_of: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], frozenset[int]]] = (
             weakref.WeakKeyDictionary()
@@ -193,13 +195,26 @@ class OptimizerSteps:
         for clock in list(self.clocks):
             if not clock.param_ids.isdisjoint(cached[1]):
                 clock.steps += 1
-                if clock.staged is not None and clock.staged.settle(block=False):
-                    clock.staged = None
+                held, clock.held = clock.held, []
+                for holder in held:
+                    holder.settle()
 
     def install(self) -> None:
-        """Registers the hook with torch, once."""
+        """Registers the hook with torch, once (and, once per process, the exit hook)."""
         if self.handle is None:
             self.handle = register_optimizer_step_post_hook(self)
+        if not self.exit_hook:
+            self.exit_hook = True
+            atexit.register(self.let_go_at_exit)
+
+    def let_go_at_exit(self) -> None:
+        """At interpreter exit: drops, without waiting, the works every clock still holds (no optimizer
+        step followed their forward or backward), while the interpreter is whole: one freed later, after
+        ``destroy_process_group()``, aborted the process ([Note: flags read a step late])."""
+        for clock in list(self.clocks):
+            held, clock.held = clock.held, []
+            for holder in held:
+                holder.let_go()
 
     def uninstall(self) -> None:
         """Removes the hook from torch."""
@@ -335,30 +350,23 @@ class StagedSums:
                 self.event.record(self.side)
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
-    def settle(self, block: bool = True) -> bool:
-        """Lets go of the staged all-reduce's work on the host once it is done; whether it let go.
-
-        ``block``: waits for it first; else only where it is done already.
+    def settle(self) -> None:
+        """Waits for the staged all-reduce on the host, and lets go of its work.
 
         [Note: flags read a step late] A gloo work kept past its step (the
         last step's, at exit, after ``destroy_process_group()``) aborted the
         process one exit in two as it was freed ("Resource deadlock
         avoided", torch 2.13: docs/modern-stack.md's PowerSGD example), so
-        the work is let go within its step where it is done already (it ran
-        beside the last bucket), else at the optimizer step that follows
-        (``OptimizerSteps``) if done by then (it never waits there: the
-        step's path), else at the next step's check, and at interpreter
-        exit, while the interpreter is whole, what is left.
+        the work is let go within its step: at once where it is done already
+        (it ran beside the last bucket), else at the optimizer step that
+        follows (``OptimizerSteps``), by when it is done (it left right
+        after the last bucket, which the step waited for), else at the next
+        step's check; what is left at interpreter exit is dropped while the
+        interpreter is whole (``OptimizerSteps.let_go_at_exit``).
         """
-        work = self.work
-        if work is not None and not block and not work.is_completed():
-            hold(self)  # let go at exit at the latest
-            return False
-        self.work = None
-        hold(self, False)
+        work, self.work = self.work, None
         if work is not None:
             work.wait()
-        return True
 
     def let_go(self) -> None:
         """Drops the staged work without waiting (at exit)."""
@@ -460,12 +468,6 @@ class StepFlags:
         rows = [one_hot_residues(value) for value in range(_PERIOD)]
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
         self.ready: Optional[torch.Event] = torch.Event(device) if device.type != "cpu" else None  # see wait
-
-    @property
-    def before_last(self) -> bool:
-        """Whether the flags are written before the last bucket's launch: carried in it ([Note: the flags
-        carried]); else they leave in their own all-reduce after it ([Note: the flags' own all-reduce])."""
-        return self.carrier is not None
 
     def wait(self, work: Any, waiter: Optional[Waiter]) -> None:
         """Waits for the flags' all-reduce (None: they came back with the last bucket) before a read of the
@@ -589,7 +591,8 @@ class StepFlags:
             work, unused = None, self.unused_everywhere(unused_here)
         rest = self.tail[self.num_params :]
         staged.stage(rest, self.host_views[self.turn], work, waiter, step, self.clock.steps, late_params)
-        self.clock.staged = staged if staged.work is not None else None  # settled at the optimizer step
+        if staged.work is not None:
+            self.clock.held.append(staged)  # let go at the optimizer step
         self.turn ^= 1
         return FlagSums(unused, any_late=False)
 

@@ -274,7 +274,9 @@ class Reducer:
         device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
         digest, carrier = layout_digest(buckets, self.sparse.slots), reduction.flags_room() if tensors else None
         self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier)
-        self._launchable = len(buckets) - (carrier is not None)  # buckets a gradient hook may launch
+        # buckets a gradient hook may launch: all but where the last carries the flags, or a comm hook's
+        # futures are waited one at a time ([Note: hooks run one bucket at a time] in reduction.py)
+        self._launchable = len(buckets) - (carrier is not None or reduction.flags_after_waits)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
         wire = reduction.wire_bytes() if tensors else 0
         self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
@@ -514,7 +516,7 @@ class Reducer:
     def _flags_before_last(self) -> bool:
         # Whether the flags leave just before the last bucket (carried in it, or on the host), not after it
         # or after the waits (a comm hook); the same on every rank, so the collective sequence stays one.
-        return bool(self.buckets) and not self.reduction.flags_after_waits and self.flags.before_last
+        return bool(self.buckets) and not self.reduction.flags_after_waits and self.flags.carrier is not None
 
     @property
     def reads_now(self) -> bool:

@@ -21,7 +21,6 @@ use them.
 
 from __future__ import annotations
 
-import atexit
 import weakref
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, cast
 
@@ -86,40 +85,6 @@ class WeakGroup:
                 "forward and backward only while its group exists"
             )
         return group
-
-
-class HeldWork(Protocol):
-    """Something that keeps a collective's work past its step: let go at exit at the latest (``hold``)."""
-
-    def let_go(self) -> None:
-        """Drops the work(s) held, without waiting."""
-
-
-_HELD: weakref.WeakSet[Any] = weakref.WeakSet()  # what keeps a work past its step, until it lets go
-
-
-def hold(holder: HeldWork, held: bool = True) -> None:
-    """Notes that ``holder`` keeps a work past its step (``held=False``: it let go).
-
-    A gloo work freed during interpreter finalization (after
-    ``destroy_process_group()``) aborted the process one exit in two
-    ("Resource deadlock avoided", torch 2.13), so what a holder still keeps
-    at exit is dropped by an exit hook, while the interpreter is whole (the
-    process group keeps its own reference until the work completes).
-    """
-    if held:
-        _HELD.add(holder)
-    else:
-        _HELD.discard(holder)
-
-
-def _let_go_at_exit() -> None:
-    for holder in list(_HELD):
-        holder.let_go()
-    _HELD.clear()
-
-
-atexit.register(_let_go_at_exit)
 
 
 class Waiter(Protocol):
