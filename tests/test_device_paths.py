@@ -194,6 +194,33 @@ def test_cuda_graph_capture_is_refused_before_any_collective(monkeypatch):
         dist.destroy_process_group()
 
 
+def backward_under_capture(rank, world_size):
+    """A backward-only CUDA-graph capture (stood in for on the CPU): refused at its first gradient, on every rank,
+    before any collective of the step; the next, uncaptured step trains as if nothing happened."""
+    from torchreplicate import replicate
+
+    model = replicate(nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()  # uncaptured: a step with its collectives
+    replicate.state(model).reducer.on_cuda = True  # as on a GPU, under torch.cuda.graph around the backward only
+    real = torch.cuda.is_current_stream_capturing
+    loss = model(torch.randn(3, 4)).sum()  # forward uncaptured
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        with pytest.raises(RuntimeError, match=r"^replicate\(\): a backward of the replicated module \(parameter"):
+            loss.backward()
+    finally:
+        torch.cuda.is_current_stream_capturing = real
+        replicate.state(model).reducer.on_cuda = False
+    model.zero_grad()
+    model(torch.full((3, 4), float(rank))).sum().backward()  # the collectives still pair
+    return model.weight.grad.tolist()
+
+
+def test_a_backward_under_cuda_graph_capture_is_refused_before_any_collective(pools):
+    grads = pools.run(2, backward_under_capture)
+    assert grads[0] == grads[1] == [[1.5] * 4] * 2, grads  # the mean of rank 0's zeros and rank 1's ones, x3 rows / 2
+
+
 def test_an_accelerator_wait_is_polled_and_looks_at_the_peers_on_the_stall_schedule(monkeypatch):
     # On NCCL a host wait is an event's; polled (no spinning core), it looks at the peers at stall_timeout,
     # then at x2, as a gloo wait does, so a hung peer is named before NCCL's own abort

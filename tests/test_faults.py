@@ -423,3 +423,29 @@ def test_a_change_on_one_rank_only_is_named_on_every_rank():
     assert re.search(r"rank 1 (has been|stopped after an error) in a re-plan \('0.weight' frozen", outcomes[0].error)
     assert outcomes[1].error.startswith("replicate(): rank 1: a re-plan ('0.weight' frozen"), outcomes[1].error
     assert re.search(r"rank 0 (has been|stopped after an error) in bucket 0 \(", outcomes[1].error), outcomes[1].error
+
+
+def dies_in_layout_agreement(rank: int, world_size: int, marks: list[float]) -> Any:
+    """Rank 1's process dies inside the first step's layout agreement, before its collective (issue 59)."""
+    from torchreplicate.reducer import reducer as reducer_module
+
+    if rank == 1:
+
+        def die(*args: Any, **kwargs: Any) -> bool:
+            time.sleep(0.6)  # a heartbeat period: its last note is the agreement
+            os._exit(3)
+
+        reducer_module.learn_layout = die  # type: ignore[assignment]
+    return train_steps(rank, marks, 2, lambda step, model: None)
+
+
+def test_a_peer_lost_in_the_layout_agreement_is_named_with_the_agreement():
+    # the agreement's broadcast was waited and read outside the watchdog: gloo's bare error, no place
+    outcomes = run_ranks(dies_in_layout_agreement, 2)
+    assert outcomes[1].exitcode == 3, outcomes[1]
+    survivor = outcomes[0]
+    assert survivor.exitcode == 1, survivor
+    message = survivor.error
+    assert message.startswith("replicate(): rank 0: the layout's agreement"), message
+    assert "of step 0" in message and "rank 1 is gone (its process, pid" in message, message
+    assert survivor.waited_s < 6, f"rank 0 took {survivor.waited_s:.1f} s"

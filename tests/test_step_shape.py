@@ -41,7 +41,9 @@ LEAVES = ("reducer/probe.py", "faults/watchdog.py", "torch_internals.py")
 # issue 45: at most 30 distinct cross-file (caller, callee) function pairs (issue 37: 32); issue 47: 31, the end of
 # every forward hands DDP's class attribute back to torch's compiler ([Note: compiled backward split at bucket
 # boundaries]): its start reads and sets it in one call, which also tells whether compiled autograd traces
-MAX_PAIRS = 31
+# issue 59: 32, the end of backward names the flags' place before the staged read too (the watchdog's note was the
+# last bucket's while it waited on the flags)
+MAX_PAIRS = 32
 
 
 class StepShape(NamedTuple):

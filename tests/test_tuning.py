@@ -177,7 +177,7 @@ def regime_change(rank: int, world_size: int) -> Regimes:
 
     measured = []
 
-    def fake_measure(group, dtype, device, budget_bytes):
+    def fake_measure(group, dtype, device, budget_bytes, waiter=None):
         measured.append(1)
         slow = len(measured) > 1
         return LinkModel(latency_s=0.0003, bytes_per_s=125e6 if slow else 20e9)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    import torch
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 
@@ -358,13 +355,19 @@ def compiled_hook_error() -> RuntimeError:
     )
 
 
-def graph_capture_error(model: str) -> RuntimeError:
-    """The error for a forward under CUDA-graph capture (raised before its collectives, on every rank)."""
+def graph_capture_error(model: str, what: str = "forward") -> RuntimeError:
+    """The error for a ``what`` ("forward", "backward") under CUDA-graph capture, raised before its collectives.
+
+    torch.compile's ``mode="reduce-overhead"`` captures inductor's graphs only; replicate()'s hooks run
+    between them, uncaptured, so it is not refused (the message says so, for a user who wonders).
+    """
     return RuntimeError(
-        f"replicate(): a forward of the replicated {model} ran under CUDA-graph capture (torch.cuda.graph, "
-        "make_graphed_callables, or torch.compile's mode='reduce-overhead'), which replicate() does not "
-        "support: its reducer launches collectives from gradient hooks and reads their flags on the host; "
-        "run the replicated step uncaptured (torch.compile's default mode captures nothing)"
+        f"replicate(): a {what} of the replicated {model} ran under CUDA-graph capture (torch.cuda.graph or "
+        "make_graphed_callables around the forward or the backward), which replicate() does not support: its "
+        "reducer launches collectives from gradient hooks and reads their flags on the host; capture the "
+        "model's inner modules, not the replicated step, or run the step uncaptured (torch.compile's "
+        "mode='reduce-overhead' is not refused: it captures inductor's graphs only, and replicate()'s hooks "
+        "run between them)"
     )
 
 

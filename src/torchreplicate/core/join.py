@@ -35,7 +35,7 @@ shadowed: use ``throw_on_early_termination=True`` there, as with DDP.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from torch.distributed.algorithms.join import Join, JoinHook
 from torchreplicate.core.buffers import broadcast_coalesced
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.reduction import all_reduce
+from torchreplicate.reducer.reduction import all_reduce, read_on_host
 from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
@@ -76,8 +76,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
         vector[world_size + 1] = float(state.buffer_sync.agreed)
-    all_reduce(vector, group, state.probe.watch)
-    flags = vector.tolist()
+    flags = read_on_host(vector, state.probe.watch, all_reduce(vector, group, async_op=True))
     present = [r for r, v in enumerate(flags[:world_size]) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)
 
@@ -139,8 +138,8 @@ class ReplicateJoinHook(JoinHook):
             dtype=torch.float64,  # exact clocks up to 2**53 steps
             device=state.device,
         )
-        dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
-        source, steps = (int(x) for x in mark.tolist())
+        work = cast(dist.Work, dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        source, steps = (int(x) for x in read_on_host(mark, state.probe.watch, work))
         tensors: list[Any] = [local(p).detach() for p in state.plan.candidates]
         if state.buffer_sync.before_forward:  # as DDP's _sync_final_model
             tensors += state.plan.buffer_values()

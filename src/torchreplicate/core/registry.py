@@ -26,6 +26,7 @@ its training clock ([Note: desync detection] in flags.py).
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from typing import Any, Callable, Optional
 
@@ -73,6 +74,7 @@ registrations = _RegistrationCounter()
 
 
 _OPTIMIZER_STEPS = OptimizerSteps()  # the training clocks' hook ([Note: desync detection] in flags.py)
+atexit.register(_OPTIMIZER_STEPS.let_go_at_exit)  # one per process, at import (docs/migration.md lists it)
 
 
 class _Slot:

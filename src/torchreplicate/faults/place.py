@@ -26,7 +26,8 @@ class Collective(enum.Enum):
     """
 
     REPLAN = "a re-plan"  # the plan check and broadcasts of a re-plan (core/state.py's replan_if_changed)
-    FLAGS = "the flags' all-reduce"  # when the flags do not travel with the last bucket (flags.py)
+    FLAGS = "the flags' all-reduce"  # their sums read at the step's end, this step's or the last's (flags.py)
+    LAYOUT = "the layout's agreement"  # the first step's launch order, the tuned link's timings (layout/policy.py)
     LATE_ROUND = "late round"  # the late round's pass over the buckets (rounds.py)
     SPARSE = "sparse gradients"  # the sparse gradients' all-reduces (sparse.py)
     TIED_ROWS = "the tied parameters' rows"  # tied_rows.py

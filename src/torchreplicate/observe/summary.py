@@ -40,7 +40,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.reducer.reduction import all_reduce
+from torchreplicate.reducer.reduction import all_reduce, read_on_host
 
 logger = logging.getLogger("torchreplicate")
 
@@ -272,8 +272,8 @@ class SummaryLogger:
         mine = torch.tensor(sums + [self._comm_span_ns, self._first_step], dtype=torch.float64, device=view.device)
         table = torch.zeros(dist.get_world_size(state.group), mine.numel(), dtype=mine.dtype, device=mine.device)
         table[self._rank] = mine
-        all_reduce(table, state.group, view.waiter)
-        self.last = summary = summarize(table.tolist(), self._first_step, record.step)
+        rows = read_on_host(table, view.waiter, all_reduce(table, state.group, async_op=True))
+        self.last = summary = summarize(rows, self._first_step, record.step)
         if self.log_rank is None or self.log_rank == self._rank:
             logger.log(self.level, summary.line())
         self._start_ns = record.end_ns  # the next window starts at this step's end

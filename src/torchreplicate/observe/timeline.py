@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from torchreplicate.core.registry import get_state
+from torchreplicate.reducer.reduction import Waiter
 
 Subscriber = Callable[["StepRecord"], None]
 
@@ -65,12 +67,14 @@ class DeviceClock:
 
     Args:
         device: the module's collective device (cuda:0, ...).
+        watch: returns the stall watchdog that waits for a mark not done yet (None: a plain wait).
     """
 
     delay = 1  # a step's record is built at the end of the next step
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, watch: Callable[[], Optional[Waiter]] = lambda: None) -> None:
         self.device = device
+        self.watch = watch
         self.origin: Optional[Any] = None  # the first mark: ns count from it
 
     def mark(self) -> Any:
@@ -82,15 +86,19 @@ class DeviceClock:
         return event
 
     def ns(self, mark: Any) -> int:
-        """A mark in ns since the origin (waits for the event where it is not done yet)."""
+        """A mark in ns since the origin (waits for the event where it is not done yet: polled through the
+        watchdog, which names a peer that hangs the stream, before NCCL's own timeout)."""
         assert self.origin is not None, "a mark was made"
+        waiter = self.watch()
+        if waiter is not None:
+            waiter.wait_until(mark.query)
         mark.synchronize()
         return round(float(self.origin.elapsed_time(mark)) * 1e6)
 
 
-def clock_for(device: torch.device) -> Any:
-    """The clock of a module whose collectives run on ``device``."""
-    return HostClock() if device.type == "cpu" else DeviceClock(device)
+def clock_for(device: torch.device, watch: Callable[[], Optional[Waiter]] = lambda: None) -> Any:
+    """The clock of a module whose collectives run on ``device`` (``watch``: ``DeviceClock``'s)."""
+    return HostClock() if device.type == "cpu" else DeviceClock(device, watch)
 
 
 @dataclass(frozen=True)
@@ -278,6 +286,16 @@ class StepRecorder:
             subscriber(record)
 
 
+def _watch_of(held: weakref.ref[Any]) -> Callable[[], Optional[Waiter]]:
+    """The current stall watchdog of the state ``held`` (weakly: the recorder does not keep it alive)."""
+
+    def watch() -> Optional[Waiter]:
+        state = held()
+        return None if state is None else state.probe.watch
+
+    return watch
+
+
 def subscribe(model: nn.Module, subscriber: Subscriber) -> StepRecorder:
     """Calls ``subscriber(record)`` at the end of every synchronised backward of ``model``.
 
@@ -294,7 +312,7 @@ def subscribe(model: nn.Module, subscriber: Subscriber) -> StepRecorder:
     state = get_state(model)
     recorder = state.events
     if recorder is None:
-        recorder = StepRecorder(clock_for(state.device))
+        recorder = StepRecorder(clock_for(state.device, _watch_of(weakref.ref(state))))
         state.set_events(recorder)
     elif not isinstance(recorder, StepRecorder):
         raise RuntimeError(

@@ -293,7 +293,7 @@ def _compare(entry: _Entry, digests: Sequence[int], values: Sequence[torch.Tenso
     missing = [r for r in (ref, *others) if digests[r] == _NO_TENSOR]
     if missing:
         have = [r for r in (ref, *others) if digests[r] != _NO_TENSOR]
-        note = f"no gradient on rank(s) {_ranks(missing)}, a gradient on rank(s) {_ranks(have)}"
+        note = f"no gradient on rank(s) {_listed(missing)}, a gradient on rank(s) {_listed(have)}"
         return Mismatch(entry.kind, entry.name, others, ref, float("inf"), numel, numel, (), note)
     element_size = torch.empty((), dtype=entry.dtype).element_size()
     ref_bytes = values[ref].reshape(numel, element_size)
@@ -318,5 +318,5 @@ def _as_float64(data: torch.Tensor, entry: _Entry) -> torch.Tensor:
     return values.to(torch.complex128 if values.is_complex() else torch.float64)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
+def _listed(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks))

@@ -308,6 +308,15 @@ class Bucket:
     def adopt_grads(self) -> None:
         """At set-up and after the buckets were rebuilt: takes over the ``.grad`` the parameters already have."""
 
+    def retire(self) -> None:
+        """Replaced by a rebuilt bucket: on an accelerator, keeps the buffer from the caching allocator
+        until the current stream has run the copies queued on it so far (the new buckets' ``adopt_grads``).
+        The buffer was allocated on the stream current at ``replicate()`` and goes back to that stream's
+        pool when freed: under ``torch.cuda.stream(s)`` it could be handed out again, and written, before
+        ``s`` read it (issue 59). ``Tensor.record_stream`` is torch's public way to say so."""
+        if self.buffer.device.type != "cpu":
+            self.buffer.record_stream(torch.accelerator.current_stream(self.buffer.device))
+
     def abandon(self) -> None:
         """Ends a backward that raised ([Note: a backward that raised] in reducer.py): waits for the
         collective it launched, if any, and sets every ``.grad`` to None."""

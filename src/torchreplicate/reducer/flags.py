@@ -91,7 +91,6 @@ re-plan or the end of training are not read.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import math
@@ -179,7 +178,6 @@ class OptimizerSteps:
     def __init__(self) -> None:
         self.clocks: weakref.WeakSet[TrainingClock] = weakref.WeakSet()  # the live replicated modules' clocks
         self.handle: Any = None  # torch's hook handle; None until installed
-        self.exit_hook = False  # let_go_at_exit registered
         # optimizer -> (its param_groups' shape when read, ids of its parameters)
         self.params_of: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], frozenset[int]]] = (
             weakref.WeakKeyDictionary()
@@ -200,12 +198,9 @@ class OptimizerSteps:
                     holder.settle()
 
     def install(self) -> None:
-        """Registers the hook with torch, once (and, once per process, the exit hook)."""
+        """Registers the hook with torch, once."""
         if self.handle is None:
             self.handle = register_optimizer_step_post_hook(self)
-        if not self.exit_hook:
-            self.exit_hook = True
-            atexit.register(self.let_go_at_exit)
 
     def let_go_at_exit(self) -> None:
         """At interpreter exit: drops, without waiting, the works every clock still holds (no optimizer

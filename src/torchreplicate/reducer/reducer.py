@@ -97,6 +97,7 @@ from torchreplicate.errors import (
     AgreedError,
     describe_error,
     foreign_hook_error,
+    graph_capture_error,
     raise_with_place,
     warn_backward_raised,
     warn_create_graph,
@@ -272,6 +273,7 @@ class Reducer:
         for bucket in buckets:
             bucket.bind(reduction, reduction.scale(bucket.index))
         device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
+        self.on_cuda = device.type == "cuda"  # a backward under CUDA-graph capture is refused (queue_finalize)
         digest, carrier = layout_digest(buckets, self.sparse.slots), reduction.flags_room() if tensors else None
         self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier)
         # buckets a gradient hook may launch: all but where the last carries the flags, or a comm hook's
@@ -298,6 +300,8 @@ class Reducer:
     def queue_finalize(self) -> None:
         """Starts a synchronised backward: queues its end on the autograd engine, once per backward."""
         lifecycle = self.lifecycle
+        if self.on_cuda and torch.cuda.is_current_stream_capturing():  # a backward-only capture: no collective yet
+            raise graph_capture_error(f"module (parameter {self.slots[0].name!r}, ...)", "backward")
         self.finalize_raised_backward()  # if the last backward raised: [Note: a backward that raised]
         if lifecycle.now is not TrainingState.BACKWARD:
             self._build_agreed_layout()
@@ -504,8 +508,8 @@ class Reducer:
             work = send()
         elif flags.carrier is not None:
             flags.landed()
+        probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))  # this step's, or the last's
         if self.reads_now:
-            probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))
             self.flags.wait(work, probe.watch)
             return self.flags.read(unused_here, self._group.get, num_steps, probe.watch)
         if self.late:
@@ -606,23 +610,28 @@ class Reducer:
             policy.steps_before_learning -= 1  # static_graph: DDP learns from its second iteration
             rebuild = False
         elif not policy.learned:
-            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, self.tied_rows.round_ns)
+            self.probe.at(Place(TrainingState.FINALIZING, self.num_steps - 1, collective=Collective.LAYOUT))
+            watch, rows_ns = self.probe.watch, self.tied_rows.round_ns
+            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, rows_ns, watch)
             if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
                 self.tied_rows, rebuild = TiedRows((), self.sync), True
         else:
             due = policy.tune_cap and self.num_steps % layout_policy.RETUNE_EVERY == 0  # read here: tests shorten it
-            rebuild = due and retune_cap(policy, self.group, like)
+            rebuild = due and retune_cap(policy, self.group, like, self.probe.watch)
         self.layout_agreed = True  # every collective of the step is behind it
         if rebuild:
             self.rebuild_pending = True  # until built: a failure here leaves it for the next backward's start
             self._rebuild_buckets()
 
     def _rebuild_buckets(self) -> None:
-        # A new layout from the policy; .grad moves from the old buckets into the new.
-        buckets = build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
+        # A new layout from the policy; .grad moves from the old buckets into the new, on the current
+        # stream, which the old buffers are kept for (Bucket.retire).
+        old, buckets = self.buckets, build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
         self.buckets = buckets
         for bucket in buckets:
             bucket.adopt_grads()
+        for bucket in old:
+            bucket.retire()
         self._bind()
         self._info = None
         self.rebuild_pending = False

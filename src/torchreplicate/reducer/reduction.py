@@ -105,6 +105,28 @@ def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
         waiter.wait(work)
 
 
+def wait_on_host(tensor: torch.Tensor, waiter: Optional[Waiter], work: Optional[dist.Work] = None) -> None:
+    """Returns once ``tensor``'s collective (``work``, None: one already waited for) is done, on the host too.
+
+    On an accelerator the host would block in a read until the device is done: where a peer hangs, past
+    the stall watchdog, until NCCL's own timeout. So the stream waits for ``work``, then an event is
+    polled through ``waiter`` (the watchdog, which names a peer that never comes): a read after this
+    one does not block.
+    """
+    if work is not None:
+        wait_for(work, waiter)
+    if tensor.device.type != "cpu" and waiter is not None:
+        ready = torch.Event(tensor.device)
+        ready.record(torch.accelerator.current_stream(tensor.device))
+        waiter.wait_until(ready.query)
+
+
+def read_on_host(tensor: torch.Tensor, waiter: Optional[Waiter], work: Optional[dist.Work] = None) -> list[Any]:
+    """``tensor.tolist()`` once its collective is done (``wait_on_host``: the wait polled through ``waiter``)."""
+    wait_on_host(tensor, waiter, work)
+    return tensor.tolist()
+
+
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter] = None, *, async_op: bool = False
 ) -> Optional[dist.Work]:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torchreplicate.faults.place import Collective, Place
 from torchreplicate.lifecycle import SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.reduction import Waiter, all_reduce
+from torchreplicate.reducer.reduction import Waiter, all_reduce, wait_on_host
 from torchreplicate.reducer.rounds import RoundInputs
 
 
@@ -135,8 +135,8 @@ class TiedRows:
         for slot, piece in zip(self.slots, mask.split(sizes), strict=True):
             if (grad := kept.get(slot.index)) is not None:
                 piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
-        all_reduce(mask, group, waiter)
-        rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]
+        wait_on_host(mask, waiter, all_reduce(mask, group, async_op=True))  # waited and polled, not read
+        rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]  # the one read: which rows travel
         self.rows_bytes = sum(
             picked.numel() * _row_shape(slot.param)[0] * slot.param.element_size()
             for slot, picked in zip(self.slots, rows, strict=True)

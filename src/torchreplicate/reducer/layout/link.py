@@ -9,13 +9,14 @@ bandwidth`` and ``choose_cap`` turns the line into a bucket cap.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.config import MiB
 from torchreplicate.reducer.layout.plan import MAX_CAP, MIN_CAP
+from torchreplicate.reducer.reduction import Waiter, read_on_host
 from torchreplicate.torch_internals import keep_device_busy
 
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
@@ -75,8 +76,15 @@ def calibration_sizes(budget_bytes: int, element_size: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, budget_bytes: int) -> LinkModel:
-    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count."""
+def measure_link(
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    budget_bytes: int,
+    waiter: Optional[Waiter] = None,
+) -> LinkModel:
+    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count (read through
+    ``waiter``, the stall watchdog)."""
     sizes = calibration_sizes(budget_bytes, element := torch.empty((), dtype=dtype).element_size())
     typical = []
     for numel in sizes:
@@ -85,8 +93,8 @@ def measure_link(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.dev
         seconds = [_timed_all_reduce(scratch, group) for _ in range(CALIBRATION_REPEATS)]
         typical.append(sorted(seconds)[len(seconds) // 2])
     timings = torch.tensor(typical, dtype=torch.float64, device=device)
-    dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group)  # the same numbers on every rank
-    return fit_link([numel * element for numel in sizes], timings.tolist())
+    work = dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group, async_op=True)  # the same numbers everywhere
+    return fit_link([numel * element for numel in sizes], read_on_host(timings, waiter, cast(dist.Work, work)))
 
 
 def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:

@@ -71,7 +71,7 @@ first step, then the rebuilt ones) does not give at 3+ ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,7 @@ from torchreplicate.reducer.layout.plan import (
     ddp_limits,
     plan_buckets,
 )
+from torchreplicate.reducer.reduction import Waiter, read_on_host
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.tied_rows import TiedRows
@@ -112,11 +113,13 @@ def agree_order(
     device: torch.device,
     ready_us: Sequence[int],
     times_us: Sequence[int],
+    waiter: Optional[Waiter] = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Group rank 0's order, readiness and other times (microseconds), on every rank (one broadcast)."""
+    """Group rank 0's order, readiness and other times (microseconds), on every rank (one broadcast,
+    waited and read through ``waiter``, the stall watchdog)."""
     tensor = torch.tensor([*order, *ready_us, *times_us], dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
-    values = [int(i) for i in tensor.tolist()]
+    work = dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+    values = [int(i) for i in read_on_host(tensor, waiter, cast(dist.Work, work))]
     count = len(order)
     return values[:count], values[count : 2 * count], values[2 * count :]
 
@@ -245,6 +248,7 @@ def learn_layout(
     ready_ns: Sequence[int] = (),
     end_ns: int = 0,
     rows_ns: int = 0,
+    waiter: Optional[Waiter] = None,
 ) -> bool:
     """Fills ``policy`` with the agreed launch order and, when tuned, the cap and schedule; whether to rebuild.
 
@@ -256,6 +260,7 @@ def learn_layout(
         ready_ns: ``time.perf_counter_ns()`` of each of ``first_ready`` (empty: not known here).
         end_ns: the same clock when backward ended.
         rows_ns: how long the tied parameters' rows round took (tied_rows.py), or 0.
+        waiter: waits and reads the agreement's collectives (the stall watchdog), or None.
     """
     policy.learned = True
     if not policy.dense:
@@ -267,26 +272,28 @@ def learn_layout(
     start = min(when.values(), default=end_ns)
     ready_us = [(when.get(i, end_ns) - start) // 1000 if when else 0 for i in order]
     policy.order, agreed_us, (end_us, rows_us) = agree_order(
-        order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000]
+        order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000], waiter
     )
     policy.ready_s, policy.end_s, policy.rows_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6, rows_us * 1e-6
     policy.cap_changes_layout = policy.tune_cap and cap_changes_layout(policy)
     if policy.tune_cap and policy.cap_changes_layout:
-        policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
+        policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes, waiter)
         policy.cap_bytes = choose_cap(policy.link)
         policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
         policy.lengths = schedule(policy)
     return True
 
 
-def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor) -> bool:
+def retune_cap(
+    policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor, waiter: Optional[Waiter] = None
+) -> bool:
     """Measures the link again; whether the cap moved enough to rebuild (then ``policy`` holds it).
 
     Never measures where no cap changes the layout (``cap_changes_layout``).
     """
     if not policy.cap_changes_layout:
         return False
-    link = measure_link(group, like.dtype, like.device, policy.grad_bytes)
+    link = measure_link(group, like.dtype, like.device, policy.grad_bytes, waiter)
     cap = choose_cap(link)
     if max(cap, policy.cap_bytes) / min(cap, policy.cap_bytes) <= RETUNE_FACTOR:
         return False
