@@ -5,21 +5,26 @@ Where no GPU is visible, or ``GPU_CHECK_CPU=1`` (``gpu_check.sh --cpu``),
 the same bodies run on the CPU with gloo and smaller models, so that a
 mistake in a check is found here, before the GPU's few minutes (gpu_check.py
 names the three with nothing to run on a CPU: peak CUDA memory, the
-CUDA-marked tests, a stall on the device).
+CUDA-marked tests, a stall on the device). ``hang_dump`` and
+``rank_with_hang_dump`` turn faulthandler on in a check's process and in each
+rank it launches, so that a check killed at its limit says where it hung.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
+import faulthandler
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +42,57 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "src", "torchreplicate")
 ROUNDS, STEPS = (7, 20) if CUDA else (2, 3)
 SLEEP_CYCLES = 40_000_000  # torch.cuda._sleep before each bucket launch: ~20 ms at 2 GHz
+
+
+# -- where a check hangs: faulthandler in the check's process and in its launched ranks -------
+
+
+def seconds_left(spare_s: float = 1.0) -> float:
+    """Seconds until the check's process is killed (``GPU_CHECK_DEADLINE``, a ``time.time()`` that
+    scripts/gpu_check.py sets), less ``spare_s``; 60 s where no deadline is set (a body run by hand)."""
+    deadline = os.environ.get("GPU_CHECK_DEADLINE")
+    if deadline is None:
+        return 60.0
+    return max(1.0, float(deadline) - time.time() - spare_s)
+
+
+@contextlib.contextmanager
+def hang_dump(path: Optional[str], dump_at: float) -> Iterator[None]:
+    """faulthandler on for the block: every thread's Python stack is written to ``path`` (stderr where
+    None) at the wall-clock time ``dump_at`` (``time.time()``) if the block still runs then (its limit
+    is near: where it hangs), on SIGUSR1 (the parent, stopped, asks where the check is), and on a fatal
+    signal (SIGSEGV, SIGABRT). A file left empty is removed at the end; a killed process leaves it."""
+    file: IO[str] = open(path, "w") if path else sys.stderr  # noqa: SIM115 (closed below, after faulthandler lets go)
+    faulthandler.enable(file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file, all_threads=True)
+    faulthandler.dump_traceback_later(max(0.1, dump_at - time.time()), exit=False, file=file)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGUSR1)
+        faulthandler.disable()
+        if path:
+            file.close()
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+
+
+def rank_with_hang_dump(fn: Callable[[], str], dump_at: float, hang_file: Optional[str]) -> str:
+    """A check's body as a launched rank (``launch(rank_with_hang_dump, ranks, (fn, dump_at, hang_file))``):
+    ``fn()`` under ``hang_dump``, its stacks in ``hang_file`` with ``{rank}`` filled in (stderr where None)."""
+    path = hang_file.format(rank=os.environ.get("RANK", "0")) if hang_file else None
+    with hang_dump(path, dump_at):
+        return fn()
+
+
+def hang_for_test() -> str:
+    """The hidden checks ``_hang`` and ``_hang_rank`` (run by name, by tests/test_gpu_check.py only):
+    sleeps past any limit, in Python, so that the faulthandler stacks name this function."""
+    until = time.monotonic() + 120
+    while time.monotonic() < until:
+        time.sleep(0.05)
+    return "did not hang"
 
 
 def bn_model(width: int = 512) -> nn.Module:
@@ -348,7 +404,12 @@ def peak_memory(engine: str) -> float:
 
 
 def check_memory() -> str:
-    peaks = {engine: launch(peak_memory, 1, (engine,), timeout_s=20)[0] for engine in ("ours", "ddp")}
+    """Peak CUDA memory of ours and of DDP, each engine in its own process, the two processes at once
+    (each its own world of size 1; a process's peak is its own): one process start's time, not two."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        timeout_s = seconds_left(1.0)
+        futures = {e: pool.submit(launch, peak_memory, 1, (e,), timeout_s=timeout_s) for e in ("ours", "ddp")}
+        peaks = {engine: future.result()[0] for engine, future in futures.items()}
     return (
         "peak MiB, each engine in its own process: "
         + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items())
@@ -359,16 +420,18 @@ def check_memory() -> str:
 # -- 7. the suite's CUDA tests; 8. compile; 9. a stall on the device, last ---------------------
 
 
-def run_pytest(limit_s: float) -> str:
-    done_ = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-        cwd=ROOT,
-        timeout=limit_s,
-        capture_output=True,
-        text=True,
-    )
+PYTEST_PER_TEST_S = 25  # pytest-timeout's limit for each of tests/test_cuda.py's tests (it dumps the stacks)
+
+
+def run_pytest() -> str:
+    """tests/test_cuda.py alone (not the suite: collecting its ~70 modules takes 25 s), without the cache
+    and hypothesis's plugin, each test limited to ``PYTEST_PER_TEST_S``, the whole run to the check's
+    deadline; fails where a test failed or skipped (on a GPU none may skip)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider"]
+    command += ["-p", "no:hypothesispytest", f"--timeout={PYTEST_PER_TEST_S}", "tests/test_cuda.py"]
+    done_ = subprocess.run(command, cwd=ROOT, timeout=seconds_left(1.0), capture_output=True, text=True)
     tail = (done_.stdout.strip().splitlines() or ["(no output)"])[-1]
-    if done_.returncode != 0:
+    if done_.returncode != 0 or "skipped" in tail or "passed" not in tail:
         raise AssertionError(f"{done_.stdout[-3000:]}\nexit {done_.returncode}: {tail}")
     return tail
 
