@@ -153,7 +153,7 @@ def main() -> None:
         "--bucket-cap-mb",
         type=float,
         default=None,
-        help="gradient bucket size in MiB (default: measured and chosen by replicate(); the demo pins small ones)",
+        help="gradient bucket size in MiB (default: replicate()'s, DDP's 25 MiB; the demo pins small ones)",
     )
     options = parser.parse_args()
 

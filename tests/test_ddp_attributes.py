@@ -119,3 +119,19 @@ def attributes_as_ddp(rank, world_size):
 
 def test_attributes_as_ddp(pools):
     pools.run(2, attributes_as_ddp)
+
+
+def test_the_refusals_describe_what_replicate_does_instead():
+    # each message's claim, against the code that does it (issue 60: three of them once said otherwise)
+    from torchreplicate.config import MiB, ReplicateConfig
+    from torchreplicate.core import buffers
+    from torchreplicate.core.state import ReplicateState
+
+    assert buffers.CHUNK_BYTES == 250 * MiB and "in the same 250 MiB pieces" in NOT_HERE["broadcast_bucket_size"]
+    for name in ("to_kwargs", "use_side_stream_for_tensor_copies"):
+        assert "moves" in NOT_HERE[name] and "device_id" in NOT_HERE[name], NOT_HERE[name]
+        assert "copies no inputs" not in NOT_HERE[name] and "as given" not in NOT_HERE[name], NOT_HERE[name]
+    # inputs move to an accelerator device_id (a meta device stands in for one here), never to the CPU
+    for device_id, moved_to in ((torch.device("meta"), torch.device("meta")), (torch.device("cpu"), None)):
+        state = ReplicateState(nn.Linear(1, 1), ReplicateConfig(device_id=device_id))
+        assert state.input_device == moved_to, (device_id, state.input_device)

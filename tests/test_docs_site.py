@@ -289,3 +289,46 @@ def test_every_page_links_resolve_as_plain_markdown():
                 broken.append(f"{page.name}: {target}: no such heading in {path.name}")
     assert checked > 150, f"only {checked} relative links found on the pages"
     assert not broken, "links that do not resolve as plain Markdown:\n" + "\n".join(broken)
+
+
+# Files a page names that are the reader's, not the repository's (a script they write, a folder they pass).
+READERS_FILES = {
+    "replicate_demo.py",
+    "accumulate_demo.py",
+    "summary.json",
+    "log.txt",
+    "tracebacks.txt",
+    "config.json",
+    "hf_prepare_model.py",
+    "replica_groups.py",
+    "archive/NAME.json",
+}
+# Where a page's short path may live: as written, under the package, or beside the results.
+PATH_ROOTS = ("", "src/torchreplicate/", "src/", "tests/", "docs/", "benchmarks/", "scripts/", "benchmarks/results/")
+
+
+def test_every_file_a_page_names_exists():
+    # issue 60: six paths in the docs pointed at files that had moved
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pattern = re.compile(r"`([A-Za-z0-9_./-]+\.(?:py|sh|json|md|toml|png|yml|yaml|cfg|txt))`")
+    missing = [
+        f"{page.relative_to(ROOT)}: `{name}`"
+        for page in pages
+        for name in pattern.findall(page.read_text())
+        if name not in READERS_FILES and not any((ROOT / (root + name)).exists() for root in PATH_ROOTS)
+    ]
+    assert not missing, "the docs name files that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_default_of_gradient_as_bucket_view_is_stated_as_the_signature_has_it():
+    # issue 60: five places called `True` the default; the signature's default is None (views, DDP's arithmetic)
+    import inspect
+
+    from torchreplicate import replicate
+
+    default = inspect.signature(replicate).parameters["gradient_as_bucket_view"].default
+    assert default is None
+    stale = re.compile(r"`gradient_as_bucket_view=True`,? \((?:our|the) default\)|which is our default|default `True`")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in pages for m in stale.finditer(page.read_text())]
+    assert not found, found

@@ -162,16 +162,17 @@ NOT_HERE: Mapping[str, str] = MappingProxyType(
             "torchreplicate.trace(model) or log_summary(model) time every step"
         ),
         "to_kwargs": (
-            "DDP's copy of the inputs to device_ids[0] (kept by DDP for backward compatibility); replicate() "
-            "runs the module on its inputs as given: move them with .to(device) first"
+            "DDP's helper that copies the inputs to device_ids[0]; replicate() has no such helper, but moves a "
+            "forward's tensor inputs as DDP does: to device_id where it is an accelerator (else they stay where "
+            "the caller put them)"
         ),
         "use_side_stream_for_tensor_copies": (
-            "DDP's switch (PYTORCH_DDP_USE_SIDE_STREAM) for copying inputs to the device; replicate() copies no "
-            "inputs: move them with .to(device, non_blocking=True) yourself"
+            "DDP's switch (PYTORCH_DDP_USE_SIDE_STREAM) for copying inputs to the device; replicate() moves a "
+            "forward's tensor inputs to an accelerator device_id on the current stream, with no switch"
         ),
         "broadcast_bucket_size": (
-            "DDP's 250 MiB bucket for the set-up broadcast; replicate() broadcasts the parameters and buffers of "
-            "each device in one collective, with no size to set"
+            "DDP's 250 MiB bucket for the set-up broadcast; replicate() broadcasts the parameters and buffers in "
+            "the same 250 MiB pieces, with no size to set"
         ),
         "bucket_bytes_cap_list": (
             "DDP's caps per bucket (bucket_cap_mb_list); replicate() has one cap for every bucket but the first: "
