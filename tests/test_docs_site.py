@@ -332,3 +332,23 @@ def test_the_default_of_gradient_as_bucket_view_is_stated_as_the_signature_has_i
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     found = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in pages for m in stale.finditer(page.read_text())]
     assert not found, found
+
+
+def test_the_api_page_shows_every_public_signature_as_the_code_has_it():
+    # issue 60: the API page read as plain Markdown had no signature; the block is generated and checked here
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "api_signatures.py"), "--check"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (ROOT / "docs" / "api.md").read_text()
+    import torchreplicate
+
+    for name in ("replicate", "verify_replicas", "ReplicateConfig", "ReplicateState", "log_summary", "trace"):
+        assert f"def {name}(" in page or f"class {name}(" in page, name
+    assert "bucket_layout: str = 'learned'" in page and "**ddp_arguments: Any" in page
+    assert set(torchreplicate.__all__) >= {"replicate", "ReplicateState"}
+    for member in ("config", "device", "reducer"):
+        assert f"        - {member}\n" in page, f"ReplicateState's directive omits {member}"
