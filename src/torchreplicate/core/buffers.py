@@ -229,10 +229,7 @@ class StagedBuffers:
 
     def settle(self) -> None:
         """At the optimizer step after the forward that sent it: lets go of its works (done by then)."""
-        for index, (work, flat, members) in enumerate(self.chunks):
-            if work is not None:
-                work.wait()
-                self.chunks[index] = (None, flat, members)
+        self.wait(None)
 
     @torch.no_grad()
     def copy_into(self, current: Sequence[torch.Tensor], waiter: Optional[Waiter]) -> None:

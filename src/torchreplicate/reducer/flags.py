@@ -16,8 +16,9 @@ bucket at a time] in reduction.py), and nothing in the step waits for it.
 On the host (gloo) the ranks' flags are all-gathered and summed where they
 land (``_Gathered``: half the CPU of gloo's all-reduce ring at this size,
 the same sums). There its bytes queue behind the last bucket's on the same
-connection, so it ends with it; the optimizer step that follows lets go of
-its work only if it is done already (``StagedSums.settle``), and the next
+connection, so it ends about with it; the optimizer step that follows
+waits for it and lets go of its work (``StagedSums.settle``: a gloo work
+freed after ``destroy_process_group()`` aborted the process), and the next
 step's end reads it. Sent before the last bucket instead, it would hold
 one of the group's two worker threads while an earlier bucket still holds
 the other, and the last bucket would wait for a thread. On an accelerator
@@ -102,7 +103,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchreplicate.errors import StepRaisedError, backward_raised_error, desync_error, late_after_learning
-from torchreplicate.reducer.reduction import Waiter, wait_for
+from torchreplicate.reducer.reduction import Waiter, wait_for, wait_on_host
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket, ParamSlot
@@ -469,11 +470,7 @@ class StepFlags:
         sums in this step: on an accelerator the stream waits, then the host polls an event through
         ``waiter`` (the stall watchdog, which looks at the peers) instead of blocking plainly in the read
         until NCCL's own timeout."""
-        if work is not None:
-            wait_for(work, waiter)
-        if self.ready is not None and waiter is not None:
-            self.ready.record(torch.accelerator.current_stream(self.tail.device))
-            waiter.wait_until(self.ready.query)
+        wait_on_host(self.tail, waiter, work, self.ready)
 
     def indices(self, unused_here: Sequence[int]) -> torch.Tensor:
         """``unused_here`` as an index tensor on the flags' device, made once per pattern (the last 8 kept):

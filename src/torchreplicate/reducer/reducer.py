@@ -518,8 +518,8 @@ class Reducer:
 
     @property
     def _flags_before_last(self) -> bool:
-        # Whether the flags leave just before the last bucket (carried in it, or on the host), not after it
-        # or after the waits (a comm hook); the same on every rank, so the collective sequence stays one.
+        # Whether the flags leave just before the last bucket (carried in its room), not after it or after
+        # the waits (a comm hook); the same on every rank, so the collective sequence stays one.
         return bool(self.buckets) and not self.reduction.flags_after_waits and self.flags.carrier is not None
 
     @property

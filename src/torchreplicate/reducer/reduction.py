@@ -105,18 +105,23 @@ def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
         waiter.wait(work)
 
 
-def wait_on_host(tensor: torch.Tensor, waiter: Optional[Waiter], work: Optional[dist.Work] = None) -> None:
+def wait_on_host(
+    tensor: torch.Tensor,
+    waiter: Optional[Waiter],
+    work: Optional[dist.Work] = None,
+    ready: Optional[torch.Event] = None,
+) -> None:
     """Returns once ``tensor``'s collective (``work``, None: one already waited for) is done, on the host too.
 
     On an accelerator the host would block in a read until the device is done: where a peer hangs, past
-    the stall watchdog, until NCCL's own timeout. So the stream waits for ``work``, then an event is
-    polled through ``waiter`` (the watchdog, which names a peer that never comes): a read after this
-    one does not block.
+    the stall watchdog, until NCCL's own timeout. So the stream waits for ``work``, then an event
+    (``ready``, one the caller keeps, or a new one) is polled through ``waiter`` (the watchdog, which
+    names a peer that never comes): a read after this one does not block.
     """
     if work is not None:
         wait_for(work, waiter)
-    if tensor.device.type != "cpu" and waiter is not None:
-        ready = torch.Event(tensor.device)
+    if waiter is not None and (ready is not None or tensor.device.type != "cpu"):  # a kept event: an accelerator's
+        ready = torch.Event(tensor.device) if ready is None else ready
         ready.record(torch.accelerator.current_stream(tensor.device))
         waiter.wait_until(ready.query)
 
