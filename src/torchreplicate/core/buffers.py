@@ -228,8 +228,12 @@ class StagedBuffers:
                 self.chunks[index] = (None, flat, members)
 
     def settle(self) -> None:
-        """At the optimizer step after the forward that sent it: lets go of its works (done by then)."""
-        self.wait(None)
+        """At the optimizer step after the forward that sent it: lets go of its works (done by then). A plain
+        wait, not ``wait``'s through the watchdog: one cross-file call fewer in every step (the step's shape)."""
+        for index, (work, flat, members) in enumerate(self.chunks):
+            if work is not None:
+                work.wait()
+                self.chunks[index] = (None, flat, members)
 
     @torch.no_grad()
     def copy_into(self, current: Sequence[torch.Tensor], waiter: Optional[Waiter]) -> None:
