@@ -551,9 +551,10 @@ def check_observers() -> str:
     if CUDA:
         assert min(step_ms) >= 21, f"the device clock missed the 30 ms device sleep per step: {step_ms}"
     # the tuned opt-in's link calibration: CUDA-event samples of the device's all-reduce, not the enqueue
+    from torchreplicate.faults.wire import Watch
     from torchreplicate.reducer.layout.link import measure_link
 
-    link = measure_link(dist.group.WORLD, torch.float32, torch.device(DEVICE), 64 * 2**20)
+    link = measure_link(dist.group.WORLD, torch.float32, torch.device(DEVICE), 64 * 2**20, Watch())
     assert link.latency_s >= 0 and link.bytes_per_s > 0, link
     done()
     return (

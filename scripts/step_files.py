@@ -4,8 +4,8 @@ Runs tests/test_step_shape.py's measurement on 2 local gloo ranks (the tests'
 launcher, tests/local_ranks.py): a model with BatchNorm in 3 buckets at the
 default options, 3 warm-up steps, then one traced step (forward, backward,
 optimizer step) under ``sys.setprofile``. Prints, for rank 0, the library
-files whose Python functions ran and every distinct (caller file:function,
-callee file:function) pair across files. A reading aid for the layout
+files whose Python functions ran and every distinct (caller file, callee
+file:function) pair across files. A reading aid for the layout
 (docs/architecture.md), not a benchmark.
 
     .venv/bin/python scripts/step_files.py

@@ -64,7 +64,7 @@ def steady_step_all_reduces(rank: int, world_size: int, kind: str) -> dict[str, 
         step(3)
         dist.barrier()  # gloo's threads close their events once the work completes
         time.sleep(0.2)
-    # the flags' sums on the host: an all-gather and a local sum (reducer/flags.py's _Gathered)
+    # the flags' sums on the host: an all-gather and a local sum (faults/wire.py's SummedGather)
     names = ("gloo:all_reduce", "gloo:all_gather")
     sizes = [math.prod((e.input_shapes or [[]])[0] or [0]) for e in prof.events() if e.name in names]
     out: dict[str, Any] = {"sizes": sorted(sizes)}

@@ -223,7 +223,7 @@ def all_reduce_sizes(engine: str, name: str) -> list[int]:
         # gloo:barrier) and a moment, so the profiler stops after them (once seen: none counted, torch 2.9.1)
         dist.barrier()
         time.sleep(0.2)
-    # the flags' sums on the host are an all-gather and a local sum (reducer/flags.py's _Gathered): counted
+    # the flags' sums on the host are an all-gather and a local sum (faults/wire.py's SummedGather): counted
     # with the all-reduces, by the elements each rank sends
     return [
         math.prod((event.input_shapes or [[]])[0] or [0])

@@ -106,7 +106,7 @@ def test_the_forward_hook_moves_inputs_to_the_input_device(pools):
 def test_object_gathers_run_with_the_modules_gpu_current(monkeypatch):
     # dist.all_gather_object serializes onto torch.cuda.current_device() on NCCL: every object gather of
     # ours (errors, set-up check, verify_replicas, trace) makes the module's device current while it runs
-    from torchreplicate import errors
+    from torchreplicate.faults import wire as errors
 
     seen = []
     monkeypatch.setattr(torch.cuda, "device", lambda device: seen.append(device) or contextlib.nullcontext())
@@ -158,9 +158,11 @@ def test_the_staged_flags_go_to_the_host_on_a_stream_of_their_own(monkeypatch):
     side = FakeStream()
     staged.device, staged.event, staged.host = device, FakeEvent(device), torch.zeros(flags._STAGED_WIDTH)
     staged.side = side  # type: ignore[assignment]
-    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, None, step=1, clock=0, late_params=())  # carried
+    from torchreplicate.faults.wire import Watch
+
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, None, Watch(), step=1, clock=0, late_params=())  # carried
     assert streams == [torch.device("meta")] and side.waited == ["step"] and staged.event.stream is side
-    staged.stage(torch.ones(flags._STAGED_WIDTH), None, FakeWork(), None, step=2, clock=0, late_params=())
+    staged.stage(torch.ones(flags._STAGED_WIDTH), None, FakeWork(), Watch(), step=2, clock=0, late_params=())
     assert FakeWork.waited_on == 2 and side.waited == ["step"], "the side stream waits for the flags' work"
 
 
@@ -257,7 +259,9 @@ def test_the_staged_flags_wait_through_the_watchdog_not_a_plain_synchronize():
         def synchronize(self):
             raise AssertionError("a plain wait: a hung peer would hold this rank until NCCL's abort")
 
-    class Waiter:
+    from torchreplicate.faults.wire import Watch
+
+    class Waiter(Watch):
         def wait_until(self, done):
             self.polled = done()
 
@@ -290,7 +294,9 @@ def test_a_read_of_the_flags_in_the_step_polls_on_an_accelerator(monkeypatch):
         def query(self):
             return True
 
-    class Waiter:
+    from torchreplicate.faults.wire import Watch
+
+    class Waiter(Watch):
         def wait(self, work):
             seen.append(("wait", work))
 

@@ -33,7 +33,7 @@ class ReplicateConfig:
     """Validated options of one ``replicate()`` call; see ``replicate`` for each.
 
     The process group is not kept here: ``ReplicateState`` holds it weakly
-    (see ``reduction.WeakGroup``).
+    (see ``faults/wire.py``'s ``WeakGroup``).
 
     Raises:
         TypeError / ValueError / RuntimeError: naming the option, the value

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 ParamDescription = Sequence[tuple[str, tuple[int, ...], str]]
 
@@ -72,20 +70,6 @@ class DesyncReport(NamedTuple):
     layout_digest: int
 
 
-def gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
-    """``dist.all_gather_object`` of ``obj`` with ``device`` as the current CUDA device while it runs.
-
-    On NCCL, torch serializes the objects onto ``torch.cuda.current_device()``,
-    which without the user's ``torch.cuda.set_device`` is cuda:0 on every rank
-    ("Duplicate GPU detected", or a hang); here the module's device decides,
-    and the current device is as it was after.
-    """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        dist.all_gather_object(gathered, obj, group=group)
-    return gathered
-
-
 def describe_error(error: BaseException) -> str:
     """An exception in one line, for the note others' errors name: "ValueError: a bad sample"."""
     text = str(error).strip().splitlines()
@@ -103,30 +87,17 @@ class StepRaisedError(AgreedError):
     highest (the ranks that raised skipped an optimizer step), so the group goes on after a checkpoint."""
 
 
-def desync_error(
-    group: dist.ProcessGroup,
-    device: torch.device,
-    clock: int,
-    layout_digest: int,
-    backward: int,
-    clocks_agree: bool,
-) -> RuntimeError:
-    """The error every rank raises once the flags said the ranks disagree.
-
-    Every rank read the same flag sums, so every rank is here: one more agreed
-    collective gathers who is where ([Note: desync detection] in flags.py).
+def desync_error(reports: Sequence[DesyncReport], rank: int, backward: int, clocks_agree: bool) -> AgreedError:
+    """The error every rank raises once the flags said the ranks disagree, from every rank's report
+    (gathered by one more agreed collective: [Note: desync detection] in flags.py).
 
     Args:
-        group: the module's process group.
-        device: where the module's collectives run (the flags' device).
-        clock: this rank's training clock.
-        layout_digest: this rank's bucket layout digest.
+        reports: every rank's ``DesyncReport``, in rank order.
+        rank: this rank.
         backward: synchronised backwards this rank completed before this one.
         clocks_agree: whether the training clocks agreed (else the layouts differ).
     """
-    mine = DesyncReport(dist.get_rank(group), clock, layout_digest)
-    reports = gather_objects(mine, group, device)
-    return AgreedError(format_desync(reports, mine.rank, backward, clocks_agree))
+    return AgreedError(format_desync(reports, rank, backward, clocks_agree))
 
 
 def some_names(names: Sequence[str], at_most: int = 4, quote: bool = True) -> str:

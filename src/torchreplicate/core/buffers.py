@@ -57,16 +57,14 @@ parameters) and a ``Join``'s end (core/join.py) use too.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.config import ReplicateConfig
-from torchreplicate.faults.watchdog import StallWatch, diagnosing
-from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.reduction import Waiter, WeakGroup, wait_for
+from torchreplicate.faults.wire import HeldWorks, Watch, WeakGroup, broadcast
 from torchreplicate.torch_internals import preserved_versions, version_of
 
 if TYPE_CHECKING:
@@ -109,19 +107,19 @@ class BufferSync:
         self.refs: tuple[BufferRef, ...] = ()
         self._group: Optional[WeakGroup] = None
         self._probe: Optional[Probe] = None
-        self._clock: Optional[TrainingClock] = None
+        self._held = HeldWorks()  # the module's works kept past a step (the clock's, from ``install``)
         # - Rank 0's buffers on their way, sent at the end of the last forward with gradients
         self.staged: Optional[StagedBuffers] = None
 
-    def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe, clock: TrainingClock) -> None:
+    def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe, held: HeldWorks) -> None:
         """At each plan: the replicated buffers (none at world size 1), the group, the module's probe, and
-        its training clock (the optimizer step that follows a forward lets go of the broadcast it sent)."""
-        self._settle()  # staged for the old plan's buffers
+        its works kept past a step (the broadcast sent ahead is one: [Note: works kept past a step])."""
+        self.staged = None  # staged for the old plan's buffers (their works are kept: held)
         self.sent = False
         self.refs = tuple(refs)
         self._group = group
         self._probe = probe
-        self._clock = clock
+        self._held = held
 
     @property
     def wanted(self) -> bool:
@@ -141,15 +139,18 @@ class BufferSync:
         """Before a forward ([Note: buffer sync]): rank 0's buffers as its last forward left them, where due:
         those sent ahead (no collective); else, with gradients, where nothing was sent ahead and every
         rank's last forward with gradients left it due, a broadcast now (inside a ``Join``: from group
-        rank ``source``, where the join round said so: ``agreed``)."""
+        rank ``source``, where the join round said so: ``agreed``). First the module's works kept past the
+        last step are released ([Note: works kept past a step] in faults/wire.py): the broadcast sent
+        ahead is done then, whatever updates the weights."""
+        with self.watch.diagnosing(before="the buffer broadcast"):
+            self._held.release()
         if not self.refs:
             return
         if source is None and self.staged is not None and self.wanted:
             staged, self.staged = self.staged, None
-            with diagnosing(self.watch, before="the buffer broadcast"):
-                staged.copy_into(values_of(self.refs), self.watch)
+            staged.copy_into(values_of(self.refs))
             return
-        self._settle()
+        self.staged = None  # taken by no forward (its works are released)
         if grad_enabled and self.agreed and (source is not None or not self.sent):
             self.broadcast(0 if source is None else source)
 
@@ -160,26 +161,17 @@ class BufferSync:
         if not grad_enabled:
             return
         self.agreed_due = self.due
-        self._settle()
+        self.staged = None  # sent ahead for a forward that did not take it (its works are kept: held)
         self.sent = bool(self.refs) and self.agreed and not joining and self._group is not None
         if self.sent:
             assert self._group is not None
-            with diagnosing(self.watch, before="the buffer broadcast"):
-                self.staged = StagedBuffers(values_of(self.refs), self._group.get())
-            if self._clock is not None:
-                self._clock.held.append(self.staged)  # its work let go at the optimizer step, the data kept
+            with self.watch.diagnosing(before="the buffer broadcast"):
+                self.staged = StagedBuffers(values_of(self.refs), self._group.get(), self._held)
 
     @property
-    def watch(self) -> Optional[StallWatch]:
-        """The stall watchdog that waits each broadcast, or None."""
-        return None if self._probe is None else self._probe.watch
-
-    def _settle(self) -> None:
-        # Lets go of staged buffers no forward will take (every rank launched them: done, or soon).
-        staged, self.staged = self.staged, None
-        if staged is not None:
-            with diagnosing(self.watch, before="the buffer broadcast"):
-                staged.wait(self.watch)
+    def watch(self) -> Watch:
+        """The module's watch, which waits each broadcast (a plain one before the plan)."""
+        return _PLAIN if self._probe is None else self._probe.watch
 
     def broadcast(self, source: int) -> None:
         """Gives every rank the replicated buffers of group rank ``source``, in place ([Note: buffer sync]).
@@ -192,25 +184,26 @@ class BufferSync:
         assert self._group is not None and self._probe is not None, "installed with the refs"
         values = values_of(self.refs)
         watch = self._probe.watch
-        with diagnosing(watch, before="the buffer broadcast"), preserved_versions(values):
-            broadcast_coalesced(values, self._group.get(), src_rank=source, waiter=watch)
+        with watch.diagnosing(before="the buffer broadcast"), preserved_versions(values):
+            broadcast_coalesced(values, self._group.get(), watch, src_rank=source)
 
 
 class StagedBuffers:
     """Rank 0's buffers on their way to every rank, launched without waiting at the end of a forward
-    ([Note: buffer sync]); the next forward waits for them and copies them in (``copy_into``).
+    ([Note: buffer sync]); the next forward waits for them (their works are kept past the step in
+    ``held``) and copies them in (``copy_into``).
 
     Args:
         values: the buffers, as they are now (rank 0's are sent).
         group: the process group.
+        held: the module's works kept past a step, which keeps each broadcast's work.
     """
 
-    def __init__(self, values: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def __init__(self, values: Sequence[torch.Tensor], group: dist.ProcessGroup, held: HeldWorks) -> None:
         self.values = list(values)
         self.versions = _versions(self.values)  # a change after this one is the rank's own
         self.source = dist.get_rank(group) == 0
-        src = dist.get_global_rank(group, 0)
-        self.chunks: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []  # (work, flat, members)
+        self.chunks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat, members)
         with torch.no_grad():
             for members in (c for on_device in _by_device(self.values).values() for c in _chunks(on_device)):
                 flat = (
@@ -218,50 +211,27 @@ class StagedBuffers:
                     if self.source
                     else torch.empty(_packed(members), dtype=torch.uint8, device=members[0].device)
                 )
-                self.chunks.append((dist.broadcast(flat, src=src, group=group, async_op=True), flat, members))
-
-    def wait(self, waiter: Optional[Waiter]) -> None:
-        """Waits for the broadcast, and lets go of its works (the data stays for ``copy_into``)."""
-        for index, (work, flat, members) in enumerate(self.chunks):
-            if work is not None:
-                wait_for(cast(dist.Work, work), waiter)
-                self.chunks[index] = (None, flat, members)
-
-    def settle(self) -> None:
-        """At the optimizer step after the forward that sent it: lets go of its works (done by then). A plain
-        wait, not ``wait``'s through the watchdog: one cross-file call fewer in every step (the step's shape)."""
-        for index, (work, flat, members) in enumerate(self.chunks):
-            if work is not None:
-                work.wait()
-                self.chunks[index] = (None, flat, members)
+                held.hold(broadcast(flat, group))
+                self.chunks.append((flat, members))
 
     @torch.no_grad()
-    def copy_into(self, current: Sequence[torch.Tensor], waiter: Optional[Waiter]) -> None:
-        """Waits, then copies rank 0's values into ``current`` (the buffers now), in place and keeping their
-        version counters; a buffer this rank changed or replaced since the staging keeps its own value."""
-        self.wait(waiter)
+    def copy_into(self, current: Sequence[torch.Tensor]) -> None:
+        """Copies rank 0's values into ``current`` (the buffers now), in place and keeping their version
+        counters, once the broadcast's works were released (waited); a buffer this rank changed or replaced
+        since the staging keeps its own value."""
         if self.source:
-            return
+            return  # rank 0's own values: nothing to copy
         pairs = zip(self.values, current, self.versions, _versions(current), strict=True)
         unchanged = {id(v) for v, c, then, now in pairs if v is c and then == now}
         kept = [v for v in self.values if id(v) in unchanged]
         with preserved_versions(kept):
-            for _, flat, members in self.chunks:
+            for flat, members in self.chunks:
                 _unpack_bytes(flat, members, only=unchanged)
-        self.chunks = []
-
-    def let_go(self) -> None:
-        """Drops the broadcast's works without waiting (at exit)."""
-        self.chunks = [(None, flat, members) for _, flat, members in self.chunks]
 
 
 @torch.no_grad()
 def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-    *,
-    src_rank: int = 0,
-    waiter: Optional[Waiter] = None,
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, watch: Watch, *, src_rank: int = 0
 ) -> None:
     """Broadcasts tensors from ``src_rank`` in one collective per device and 250 MiB (DDP's chunk at set-up).
 
@@ -271,16 +241,18 @@ def broadcast_coalesced(
     Args:
         tensors: what to broadcast; the same shapes and dtypes on every rank.
         group: the process group.
+        watch: waits each broadcast (the module's: the stall watchdog, or plain).
         src_rank: group rank whose values everyone takes. Default 0.
-        waiter: waits each broadcast (the stall watchdog), or None: a plain wait.
 
     Every tensor takes the broadcast value in place.
     """
-    src = dist.get_global_rank(group, src_rank)
     for members in (chunk for on_device in _by_device(tensors).values() for chunk in _chunks(on_device)):
         flat = _pack_bytes(members)
-        wait_for(cast(dist.Work, dist.broadcast(flat, src=src, group=group, async_op=True)), waiter)
+        watch.wait(broadcast(flat, group, src_rank))
         _unpack_bytes(flat, members)
+
+
+_PLAIN = Watch()  # before the plan: no broadcast runs
 
 
 def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:

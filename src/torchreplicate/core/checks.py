@@ -6,15 +6,14 @@ at the same point on every rank, so each rank launches the same collectives.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, cast
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from torchreplicate.errors import format_option_mismatch, format_param_mismatch, gather_objects
+from torchreplicate.errors import format_option_mismatch, format_param_mismatch
+from torchreplicate.faults.wire import Watch, all_gather, digest, gather_objects
 from torchreplicate.reducer.dtensors import describe_placement
-from torchreplicate.reducer.flags import digest
-from torchreplicate.reducer.reduction import Waiter, wait_for
 
 
 def describe_params(names: Sequence[str], params: Sequence[torch.Tensor]) -> list[tuple[str, tuple[int, ...], str]]:
@@ -40,8 +39,8 @@ def verify_params_across_ranks(
     params: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     device: torch.device,
-    options: Optional[dict[str, str]] = None,
-    waiter: Optional[Waiter] = None,
+    options: Optional[dict[str, str]],
+    watch: Watch,
 ) -> None:
     """Checks that every rank holds the same parameters (names, shapes, dtypes) and options.
 
@@ -57,7 +56,7 @@ def verify_params_across_ranks(
         options: ``replicate()`` options that decide the collectives (bucket
             caps, wire dtype); ranks that differ there would send buckets of
             different sizes, which gloo answers by aborting the process.
-        waiter: waits the digests' all-gather (the stall watchdog at a re-plan), or None.
+        watch: waits the digests' all-gather (the module's: the stall watchdog at a re-plan, or plain).
 
     Raises:
         RuntimeError: on every rank, naming the first differing option or
@@ -68,7 +67,7 @@ def verify_params_across_ranks(
     world_size = dist.get_world_size(group)
     local = torch.tensor([fingerprint(description, options)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(local) for _ in range(world_size)]
-    wait_for(cast(dist.Work, dist.all_gather(gathered, local, group=group, async_op=True)), waiter)
+    watch.wait(all_gather(gathered, local, group))
     if len({int(t.item()) for t in gathered}) == 1:
         return
     per_rank = gather_objects((description, options), group, device)

@@ -35,16 +35,16 @@ shadowed: use ``throw_on_early_termination=True`` there, as with DDP.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from torchreplicate.core.buffers import broadcast_coalesced
+from torchreplicate.faults.wire import all_reduce
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.reduction import all_reduce, read_on_host
 from torchreplicate.torch_internals import disable_join
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def join_round(state: ReplicateState, training: bool) -> JoinRound:
         vector[dist.get_rank(group)] = 1
         vector[world_size] = float(state.sync.on)
         vector[world_size + 1] = float(state.buffer_sync.agreed)
-    flags = read_on_host(vector, state.probe.watch, all_reduce(vector, group, async_op=True))
+    flags = state.probe.watch.read_on_host(vector, all_reduce(vector, group))
     present = [r for r, v in enumerate(flags[:world_size]) if v > 0]
     return JoinRound(len(present), max(present) if present else 0, flags[world_size] > 0, flags[world_size + 1] > 0)
 
@@ -138,13 +138,13 @@ class ReplicateJoinHook(JoinHook):
             dtype=torch.float64,  # exact clocks up to 2**53 steps
             device=state.device,
         )
-        work = cast(dist.Work, dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True))
-        source, steps = (int(x) for x in read_on_host(mark, state.probe.watch, work))
+        work = all_reduce(mark, group, op=dist.ReduceOp.MAX)
+        source, steps = (int(x) for x in state.probe.watch.read_on_host(mark, work))
         tensors: list[Any] = [local(p).detach() for p in state.plan.candidates]
         if state.buffer_sync.before_forward:  # as DDP's _sync_final_model
             tensors += state.plan.buffer_values()
         if tensors:
-            broadcast_coalesced(tensors, group, src_rank=source)
+            broadcast_coalesced(tensors, group, state.probe.watch, src_rank=source)
         state.clock.catch_up(steps)
         end_join(state)
 

@@ -38,6 +38,7 @@ from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
 from torchreplicate.errors import foreign_hook_error
 from torchreplicate.faults.watchdog import StallWatch
+from torchreplicate.faults.wire import Watch, WeakGroup
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch
 from torchreplicate.reducer.bucket import Bucket, CopyBucket, DividingViewBucket, ParamSlot, ViewBucket
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
@@ -45,7 +46,7 @@ from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.layout.policy import LayoutPolicy
 from torchreplicate.reducer.probe import Probe
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, Reduction, WeakGroup
+from torchreplicate.reducer.reduction import AllReduce, Reduction
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.tied_rows import TiedRows
 from torchreplicate.torch_internals import num_post_accumulate_grad_hooks
@@ -146,7 +147,7 @@ def agree(
     group: dist.ProcessGroup,
     device: torch.device,
     options: dict[str, str],
-    waiter: Optional[StallWatch],
+    watch: Watch,
     to_broadcast: Sequence[torch.Tensor],
 ) -> None:
     """Checks ``plan`` across ranks (and the ``options`` that decide the collectives), then broadcasts
@@ -155,17 +156,16 @@ def agree(
     Raises:
         RuntimeError: on every rank, where ranks differ (naming the parameter or option).
     """
-    verify_params_across_ranks(plan.candidate_names, plan.candidates, group, device, options, waiter)
+    verify_params_across_ranks(plan.candidate_names, plan.candidates, group, device, options, watch)
     if dist.get_world_size(group) > 1 and to_broadcast:
-        broadcast_coalesced(to_broadcast, group, waiter=waiter)
+        broadcast_coalesced(to_broadcast, group, watch)
 
 
-def start_watch(
-    group: dist.ProcessGroup, stall_timeout_s: Optional[float], token: torch.Tensor
-) -> Optional[StallWatch]:
-    """The stall watchdog, keyed by the broadcast ``token``; None at world size 1 or with ``stall_timeout=None``."""
+def start_watch(group: dist.ProcessGroup, stall_timeout_s: Optional[float], token: torch.Tensor) -> Watch:
+    """The stall watchdog, keyed by the broadcast ``token``; a plain watch at world size 1 or with
+    ``stall_timeout=None``."""
     if dist.get_world_size(group) == 1 or stall_timeout_s is None:
-        return None
+        return Watch()
     return StallWatch(group, stall_timeout_s, key=f"{group.group_name}/{int(token)}", device_type=token.device.type)
 
 

@@ -42,14 +42,14 @@ from torchreplicate.core.registry import find_state, registrations
 from torchreplicate.core.tied import TiedUses
 from torchreplicate.errors import compiled_hook_error, ddp_on_top_error, describe_error, graph_capture_error
 from torchreplicate.faults.place import Collective, Place
-from torchreplicate.faults.watchdog import diagnosing
+from torchreplicate.faults.wire import Watch, WeakGroup
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.probe import Probe, StepEvents, labelled
 from torchreplicate.reducer.reducer import Reducer
-from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction, WeakGroup
+from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.torch_internals import (
     claimed_elsewhere,
     ddp_reduces_any,
@@ -274,9 +274,8 @@ class ReplicateState:
             self.reducer = None
         if self.mixed is not None:
             self.mixed.remove()
-        if self.probe.watch is not None:
-            self.probe.watch.stop()
-            self.probe.watch = None
+        self.probe.watch.stop()
+        self.probe.watch = Watch()
 
     # -- uneven inputs ([Note: join] in join.py) ------------------------------
 
@@ -322,7 +321,7 @@ class ReplicateState:
         change = describe_change(self.plan, plan)
         step = 0 if self.reducer is None else self.reducer.num_steps
         self.probe.at(Place(TrainingState.FORWARD, step, collective=Collective.REPLAN), change)
-        with diagnosing(self.probe.watch):
+        with self.probe.watch.diagnosing():
             self.install(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
         self.probe.replanned(step)  # back at the forward's place
 
@@ -366,13 +365,14 @@ class ReplicateState:
         setup.agree(plan, group, self.device, self.config.wire_options, watch, to_broadcast)
         if token is not None:
             watch = self.probe.watch = setup.start_watch(group, self.config.stall_timeout_s, token)
-            if watch is not None:
-                # released: a last note; at interpreter exit the watch's own hook says "exited" instead
-                weakref.finalize(self, watch.leave, "released its replica").atexit = False
+            # released: a last note (the stall watchdog's); at interpreter exit its own hook says "exited"
+            weakref.finalize(self, watch.leave, "released its replica").atexit = False
+        self.clock.held.watch = watch
         if reduces:
             self.reducer = self.build_reducer(learned)
         self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
-        self.buffer_sync.install(plan.buffers if self.world_size > 1 else (), self.weak_group, self.probe, self.clock)
+        buffers = plan.buffers if self.world_size > 1 else ()
+        self.buffer_sync.install(buffers, self.weak_group, self.probe, self.clock.held)
 
     def build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
         """A reducer for the current plan and options (setup.py's ``build_reducer``), not installed.

@@ -75,12 +75,11 @@ import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Iterable
 
 import torch.distributed as dist
 
 from torchreplicate.config import backend_of
-from torchreplicate.faults.place import Place
 from torchreplicate.faults.roll_call import (
     Note,
     describe_notes,
@@ -90,6 +89,7 @@ from torchreplicate.faults.roll_call import (
     roll_call,
     start_time,
 )
+from torchreplicate.faults.wire import Watch
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.torch_internals import group_store, group_timeout
 
@@ -121,8 +121,8 @@ def heartbeat_period(timeout_s: float, world_size: int) -> float:
     return max(min(1.5, max(0.2, timeout_s / 6)), world_size / MAX_BEATS_PER_S)
 
 
-class StallWatch:
-    """One module's watchdog; see [Note: stall watchdog].
+class StallWatch(Watch):
+    """One module's watchdog, a ``Watch`` that looks at its peers; see [Note: stall watchdog].
 
     Args:
         group: the module's process group (its store carries the notes).
@@ -132,6 +132,7 @@ class StallWatch:
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, key: str, device_type: str = "cpu") -> None:
+        super().__init__()  # where this rank is: written by the main thread, read by the heartbeat thread
         # - Configuration
         self.timeout_s = timeout_s  # the first look at the peers, then at doubling intervals
         self.group_timeout_s = group_timeout(group)  # when the backend ends a collective (init_process_group)
@@ -142,10 +143,6 @@ class StallWatch:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.period = heartbeat_period(timeout_s, self.world_size)  # seconds between heartbeats
-        # - Where this rank is: written by the main thread, read by the heartbeat thread
-        self.place = Place(TrainingState.IDLE, 0)  # the set-up: no forward yet
-        self.detail = ""  # the bucket's parameters or the re-plan's change, for messages only
-        self.entered = time.monotonic()
         self.failed = False
         self.left = ""  # how this rank stopped watching ("exited", ...): its last note says so
         # - Who this rank is: a peer on this host checks the process itself
@@ -166,16 +163,6 @@ class StallWatch:
         self._thread.start()
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def at(self, place: Place, detail: str = "") -> None:
-        """Notes where this rank is now (main thread; a few attribute writes).
-
-        Args:
-            place: where the rank is (``Place``).
-            detail: the bucket's parameters, or what a re-plan changed, for
-                messages only ("" elsewhere). Default "".
-        """
-        self.place, self.detail, self.entered = place, detail, time.monotonic()
-
     def stop(self) -> None:
         """Stops the heartbeat thread and waits for it."""
         self._stop.set()
@@ -190,45 +177,6 @@ class StallWatch:
         self.left = how
         with contextlib.suppress(Exception):  # the store is gone: nobody is left to read the note
             self._beat()
-
-    def wait(self, work: dist.Work) -> None:
-        """Waits for ``work`` (a collective of ours), looking at the peers at ``stall_timeout``, then at x2.
-
-        Warns (``StallWarning``) for each live peer outside the step and keeps
-        waiting; raises at once for a peer gone or stuck in another collective
-        ([Note: stall watchdog]). The work's own error (a closed connection,
-        the group's timeout) is raised as it is, for ``diagnose``.
-        """
-        if not self.sliced:
-            work.wait()
-            return
-        started, look_at = time.monotonic(), self.timeout_s
-        while True:
-            try:
-                work.wait(timedelta(seconds=max(0.001, look_at - (time.monotonic() - started))))
-                return
-            except RuntimeError as error:
-                if _TIMED_OUT not in str(error):
-                    raise  # the work's own error
-            if work.is_completed():
-                work.wait()  # finished meanwhile: its result, or its error
-                return
-            waited = time.monotonic() - started
-            if waited >= look_at:
-                self.look_at_peers(waited)
-                look_at *= 2
-
-    def wait_until(self, done: Callable[[], bool]) -> None:
-        """Returns once ``done()`` is true (an accelerator event's ``query``), polling without spinning a core
-        (naps of 0.1 to 10 ms), and looks at the peers at ``stall_timeout``, then at x2, as ``wait`` does on
-        gloo: on NCCL a hung peer is named from the notes before NCCL's own abort. Done at once: no nap."""
-        started, look_at, nap = time.monotonic(), self.timeout_s, 1e-4
-        while not done():
-            time.sleep(nap)
-            nap = min(2 * nap, 0.01)
-            if (waited := time.monotonic() - started) >= look_at:
-                self.look_at_peers(waited)
-                look_at *= 2
 
     def note_raised(self, step: int, what: str) -> None:
         """Leaves a note that this rank raised in ``step`` (``what``: the exception, one line), which the
@@ -350,26 +298,3 @@ def _leave_at_exit(ref: weakref.ref[StallWatch]) -> None:
     watch = ref()
     if watch is not None:
         watch.leave("exited")
-
-
-_TRANSPORT_WORDS = ("gloo", "Gloo", "NCCL", "Connection", "connection", "Timed out", "timed out", "pair closure")
-
-
-@contextlib.contextmanager
-def diagnosing(watch: Optional[StallWatch], before: str = "") -> Iterator[None]:
-    """Turns a transport error of a collective inside into ``watch``'s diagnosis (``StallWatch.diagnose``).
-
-    Any other error, or any error without a watchdog, passes unchanged.
-
-    Args:
-        watch: the stall watchdog, or None (off).
-        before: as ``diagnose``'s: a collective run before the place, named first. Default "".
-    """
-    try:
-        yield
-    except RuntimeError as error:
-        # a transport error: the collective failed there (a peer late, gone, or its connection broken)
-        text = str(error)
-        if watch is None or text.startswith("replicate()") or not any(word in text for word in _TRANSPORT_WORDS):
-            raise
-        raise watch.diagnose(error, before) from error

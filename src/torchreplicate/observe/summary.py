@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.core.registry import get_state
+from torchreplicate.faults.wire import all_reduce
 from torchreplicate.observe.timeline import StepRecord, subscribe, unsubscribe
-from torchreplicate.reducer.reduction import all_reduce, read_on_host
 
 logger = logging.getLogger("torchreplicate")
 
@@ -272,7 +272,7 @@ class SummaryLogger:
         mine = torch.tensor(sums + [self._comm_span_ns, self._first_step], dtype=torch.float64, device=view.device)
         table = torch.zeros(dist.get_world_size(state.group), mine.numel(), dtype=mine.dtype, device=mine.device)
         table[self._rank] = mine
-        rows = read_on_host(table, view.waiter, all_reduce(table, state.group, async_op=True))
+        rows = view.watch.read_on_host(table, all_reduce(table, state.group))
         self.last = summary = summarize(rows, self._first_step, record.step)
         if self.log_rank is None or self.log_rank == self._rank:
             logger.log(self.level, summary.line())

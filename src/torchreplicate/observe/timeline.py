@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from torchreplicate.core.registry import get_state
-from torchreplicate.reducer.reduction import Waiter
+from torchreplicate.faults.wire import Watch
 
 Subscriber = Callable[["StepRecord"], None]
 
@@ -67,12 +67,13 @@ class DeviceClock:
 
     Args:
         device: the module's collective device (cuda:0, ...).
-        watch: returns the stall watchdog that waits for a mark not done yet (None: a plain wait).
+        watch: returns the module's watch, which waits for a mark not done yet (polled: the stall
+            watchdog names a peer that hangs the stream).
     """
 
     delay = 1  # a step's record is built at the end of the next step
 
-    def __init__(self, device: torch.device, watch: Callable[[], Optional[Waiter]] = lambda: None) -> None:
+    def __init__(self, device: torch.device, watch: Callable[[], Watch] = Watch) -> None:
         self.device = device
         self.watch = watch
         self.origin: Optional[Any] = None  # the first mark: ns count from it
@@ -89,14 +90,11 @@ class DeviceClock:
         """A mark in ns since the origin (waits for the event where it is not done yet: polled through the
         watchdog, which names a peer that hangs the stream, before NCCL's own timeout)."""
         assert self.origin is not None, "a mark was made"
-        waiter = self.watch()
-        if waiter is not None:
-            waiter.wait_until(mark.query)
-        mark.synchronize()
+        self.watch().wait_until(mark.query)
         return round(float(self.origin.elapsed_time(mark)) * 1e6)
 
 
-def clock_for(device: torch.device, watch: Callable[[], Optional[Waiter]] = lambda: None) -> Any:
+def clock_for(device: torch.device, watch: Callable[[], Watch] = Watch) -> Any:
     """The clock of a module whose collectives run on ``device`` (``watch``: ``DeviceClock``'s)."""
     return HostClock() if device.type == "cpu" else DeviceClock(device, watch)
 
@@ -286,12 +284,12 @@ class StepRecorder:
             subscriber(record)
 
 
-def _watch_of(held: weakref.ref[Any]) -> Callable[[], Optional[Waiter]]:
-    """The current stall watchdog of the state ``held`` (weakly: the recorder does not keep it alive)."""
+def _watch_of(held: weakref.ref[Any]) -> Callable[[], Watch]:
+    """The current watch of the state ``held`` (weakly: the recorder does not keep it alive)."""
 
-    def watch() -> Optional[Waiter]:
+    def watch() -> Watch:
         state = held()
-        return None if state is None else state.probe.watch
+        return Watch() if state is None else state.probe.watch
 
     return watch
 

@@ -38,7 +38,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from torchreplicate.core.registry import get_state
-from torchreplicate.errors import gather_objects
+from torchreplicate.faults.wire import gather_objects
 from torchreplicate.observe.timeline import StepRecord, StepRecorder, subscribe, unsubscribe
 from torchreplicate.observe.trace_format import START, Event, chrome_trace, plot_trace, rank_events
 from torchreplicate.reducer.probe import BucketInfo

@@ -22,9 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchreplicate.core.registry import get_state
-from torchreplicate.errors import gather_objects
+from torchreplicate.faults.wire import digest, gather_objects
 from torchreplicate.reducer.dtensors import local
-from torchreplicate.reducer.flags import digest
 
 _NO_TENSOR = -(2**63)  # the digest of a missing tensor (a gradient that is None)
 

@@ -14,12 +14,14 @@ in a small all-reduce of their own, as DDP's used-parameters map does under
 (with a comm hook: once every hook's future is done, [Note: hooks run one
 bucket at a time] in reduction.py), and nothing in the step waits for it.
 On the host (gloo) the ranks' flags are all-gathered and summed where they
-land (``_Gathered``: half the CPU of gloo's all-reduce ring at this size,
-the same sums). There its bytes queue behind the last bucket's on the same
-connection, so it ends about with it; the optimizer step that follows
-waits for it and lets go of its work (``StagedSums.settle``: a gloo work
-freed after ``destroy_process_group()`` aborted the process), and the next
-step's end reads it. Sent before the last bucket instead, it would hold
+land (faults/wire.py's ``SummedGather``: half the CPU of gloo's all-reduce
+ring at this size, the same sums). There its bytes queue behind the last
+bucket's on the same connection, so it ends about with it; its work is
+kept past the step and waited at the next release, the optimizer step,
+forward or synchronised backward that follows ([Note: works kept past a
+step] in faults/wire.py: a gloo work freed after
+``destroy_process_group()`` aborted the process), and the next step's end
+reads it. Sent before the last bucket instead, it would hold
 one of the group's two worker threads while an earlier bucket still holds
 the other, and the last bucket would wait for a thread. On an accelerator
 it follows the last bucket on the group's stream, and a stream of its own
@@ -93,26 +95,25 @@ re-plan or the end of training are not read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from torchreplicate.errors import StepRaisedError, backward_raised_error, desync_error, late_after_learning
-from torchreplicate.reducer.reduction import Waiter, wait_for, wait_on_host
+from torchreplicate.errors import (
+    DesyncReport,
+    StepRaisedError,
+    backward_raised_error,
+    desync_error,
+    late_after_learning,
+)
+from torchreplicate.faults.wire import HeldWorks, Watch, all_reduce, all_reduce_small, digest, gather_objects
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.bucket import Bucket, ParamSlot
-
-
-def digest(data: Any) -> int:
-    """A 64-bit digest (signed, as an int64 holds it) of bytes or any buffer (a NumPy array): equal iff the
-    data are, but for collisions. The one digest ranks compare: layouts, set-up descriptions, tensors."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def layout_digest(buckets: Sequence[Bucket], unbucketed: Sequence[ParamSlot]) -> int:
@@ -146,8 +147,9 @@ class TrainingClock:
         self.steps = 0  # optimizer steps that touched the module's replicated parameters
         self.param_ids: frozenset[int] = frozenset()  # ids of those parameters, as planned
         # works of the step not waited yet (the staged flags' on the host, the buffers sent ahead),
-        # let go at the optimizer step that follows ([Note: flags read a step late]), done by then
-        self.held: list[Any] = []  # each with a settle()
+        # released at the next forward, synchronised backward or optimizer step ([Note: works kept past
+        # a step] in faults/wire.py), done by then
+        self.held = HeldWorks()
 
     def catch_up(self, steps: int) -> None:
         """Re-bases the clock at an agreed point (a Join's end): the steps the ranks still training took."""
@@ -155,15 +157,17 @@ class TrainingClock:
         self.steps = steps
 
     @contextlib.contextmanager
-    def caught_up_on_raise(self, group: Callable[[], dist.ProcessGroup], device: torch.device) -> Iterator[None]:
+    def caught_up_on_raise(
+        self, group: Callable[[], dist.ProcessGroup], device: torch.device, watch: Watch
+    ) -> Iterator[None]:
         """Where a step raised on some ranks (``StepRaisedError``, raised inside, on every rank alike):
         first one MAX all-reduce of the clocks, so the ranks that skipped its optimizer step count it."""
         try:
             yield
         except StepRaisedError:
             steps = torch.tensor([float(self.steps)], dtype=torch.float64, device=device)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group())
-            self.catch_up(int(steps.item()))
+            (highest,) = watch.read_on_host(steps, all_reduce(steps, group(), op=dist.ReduceOp.MAX))
+            self.catch_up(int(highest))
             raise
 
 
@@ -194,9 +198,7 @@ class OptimizerSteps:
         for clock in list(self.clocks):
             if not clock.param_ids.isdisjoint(cached[1]):
                 clock.steps += 1
-                held, clock.held = clock.held, []
-                for holder in held:
-                    holder.settle()
+                clock.held.release()
 
     def install(self) -> None:
         """Registers the hook with torch, once."""
@@ -208,9 +210,7 @@ class OptimizerSteps:
         step followed their forward or backward), while the interpreter is whole: one freed later, after
         ``destroy_process_group()``, aborted the process ([Note: flags read a step late])."""
         for clock in list(self.clocks):
-            held, clock.held = clock.held, []
-            for holder in held:
-                holder.let_go()
+            clock.held.let_go()
 
     def uninstall(self) -> None:
         """Removes the hook from torch."""
@@ -256,46 +256,13 @@ def residues_agree(sums: Sequence[float]) -> bool:
 _STAGED_WIDTH = _HEAD + 2 * _RESIDUE_WIDTH  # what a step late reads: the head, then both residue blocks
 
 
-GATHER_MAX_NUMEL = 1 << 20  # host flags are all-gathered and summed here up to this many elements, all ranks'
-
-
-class _Gathered:
-    """The flags' sums on the host (gloo) by an all-gather and a local sum, with a work's ``wait`` and
-    ``is_completed``: gloo's all-reduce of a few hundred elements is a ring of eight small messages per
-    rank, its all-gather one exchange per peer, and the sums of small integers are exact in any order
-    (measured on 2 gloo ranks: 563 against 251 us of process CPU per call, 931 against 460 us wall).
-
-    Args:
-        tail: the flags to sum (the sums land there once the gather is done).
-        world_size: ranks in ``group``.
-        group: the process group.
-    """
-
-    def __init__(self, tail: torch.Tensor, world_size: int, group: dist.ProcessGroup) -> None:
-        self.tail = tail
-        self.gathered = torch.empty(world_size, tail.numel(), dtype=tail.dtype)
-        self.work = cast(dist.Work, dist.all_gather(list(self.gathered.unbind(0)), tail, group=group, async_op=True))
-        self.summed = False
-
-    def is_completed(self) -> bool:
-        """Whether the gather is done."""
-        return bool(self.work.is_completed())
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Waits for the gather (``timeout``: as ``Work.wait``'s), then writes the sums into the flags."""
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        if not self.summed:
-            torch.sum(self.gathered, 0, out=self.tail)
-            self.summed = True
-        return bool(done)
-
-
 class StagedSums:
     """One reducer's summed flags of a step, read a step late ([Note: flags read a step late]).
 
     On the host (gloo on CPU) the step's all-reduce is not waited for: its
-    work is kept and waited at the next step's end, long done by then, and
-    the sums are read through a NumPy view of the flags' tensor, which the
+    work is kept past the step (``HeldWorks``, faults/wire.py) and waited
+    at the next release, at the latest the next step's end, long done by
+    then, and the sums are read through a NumPy view of the flags' tensor, which the
     next step leaves alone (``StepFlags`` uses two in turn). On an
     accelerator the stream waits for the all-reduce, a non-blocking copy
     takes the sums to pinned host memory, and an event says when it landed.
@@ -313,7 +280,6 @@ class StagedSums:
         # never waits for them ([Note: the flags' own all-reduce])
         self.side: Optional[torch.Stream] = torch.Stream(device) if accelerated else None
         self.device = device
-        self.work: Any = None  # on the host: the staged step's all-reduce, waited at the check
         self.step = -1  # the step staged; -1: none
         self.clock = 0
         self.late_params: tuple[str, ...] = ()
@@ -323,60 +289,35 @@ class StagedSums:
         rest: torch.Tensor,
         host_view: Any,
         work: Any,
-        waiter: Optional[Waiter],
+        watch: Watch,
         step: int,
         clock: int,
         late_params: Sequence[str],
     ) -> None:
         """Stages a step's summed late flag and residues (``rest``, being summed by ``work``; None: summed)
-        without waiting on the host; ``host_view``: ``rest`` as a NumPy array (host flags only)."""
+        without waiting on the host (the caller keeps ``work`` past the step: [Note: works kept past a
+        step] in faults/wire.py); ``host_view``: ``rest`` as a NumPy array (host flags only)."""
         if self.event is None:
-            self.work, self.values = work, host_view
-            if work is not None and work.is_completed():
-                self.settle()
+            self.values = host_view
         else:
             assert self.host is not None and self.side is not None
             step_stream = torch.accelerator.current_stream(self.device)  # the flags' device, not the current
             with self.side:
                 if work is not None:
-                    wait_for(work, waiter)  # the side stream waits, not the host, nor the step's stream
+                    watch.wait(work)  # the side stream waits, not the host, nor the step's stream
                 else:
                     self.side.wait_stream(step_stream)  # carried: summed with the last bucket, on the step's
                 self.host.copy_(rest, non_blocking=True)
                 self.event.record(self.side)
         self.step, self.clock, self.late_params = step, clock, tuple(late_params)
 
-    def settle(self) -> None:
-        """Waits for the staged all-reduce on the host, and lets go of its work.
-
-        [Note: flags read a step late] A gloo work kept past its step (the
-        last step's, at exit, after ``destroy_process_group()``) aborted the
-        process one exit in two as it was freed ("Resource deadlock
-        avoided", torch 2.13: docs/modern-stack.md's PowerSGD example), so
-        the work is let go within its step: at once where it is done already
-        (it ran beside the last bucket), else at the optimizer step that
-        follows (``OptimizerSteps``), by when it is done (it left right
-        after the last bucket, which the step waited for), else at the next
-        step's check; what is left at interpreter exit is dropped while the
-        interpreter is whole (``OptimizerSteps.let_go_at_exit``).
-        """
-        work, self.work = self.work, None
-        if work is not None:
-            work.wait()
-
-    def let_go(self) -> None:
-        """Drops the staged work without waiting (at exit)."""
-        self.work = None
-
-    def check(
-        self, group: Callable[[], dist.ProcessGroup], layout_digest: int, waiter: Optional[Waiter] = None
-    ) -> None:
+    def check(self, group: Callable[[], dist.ProcessGroup], layout_digest: int, watch: Watch) -> None:
         """Raises what the sums staged a step ago say, if anything (every rank reads the same sums); once.
 
         Args:
             group: returns the module's process group (called only to raise).
             layout_digest: this rank's bucket layout digest.
-            waiter: polls the event, looking at the peers (the stall watchdog), or None: a plain wait.
+            watch: polls the event (the stall watchdog looks at the peers meanwhile).
 
         Raises:
             RuntimeError: the ranks disagreed (a desync, named after one more
@@ -385,11 +326,9 @@ class StagedSums:
         if self.step < 0:
             return  # nothing staged
         if self.event is not None:  # recorded a step ago: done, unless the device runs a step behind
-            self.event.synchronize() if waiter is None else waiter.wait_until(self.event.query)
-        else:
-            self.settle()  # launched a step ago, before this step's buckets, which are back: done
+            watch.wait_until(self.event.query)
         rest, step, self.step = self.values.tolist(), self.step, -1
-        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step, waiter)
+        raise_on_desync(rest, group, self.device, self.clock, layout_digest, step, watch)
         if rest[0] > 0:
             raise late_after_learning(dist.get_rank(group()), step, round(rest[0]), self.late_params)
 
@@ -401,20 +340,20 @@ def raise_on_desync(
     clock: int,
     layout_digest: int,
     step: int,
-    waiter: Optional[Waiter] = None,
+    watch: Watch,
 ) -> None:
     """Raises, on every rank, when the summed flags after the parameters' counts (``rest``) say that
     a step raised on some ranks but not all ([Note: a backward that raised] in reducer.py: named with
-    what they raised where ``waiter``, the stall watchdog, holds their notes), or that the ranks
-    disagree ([Note: desync detection])."""
+    what they raised where ``watch``, the stall watchdog, holds their notes), or that the ranks
+    disagree ([Note: desync detection]: one more agreed collective gathers who is where)."""
     if rest[1] > 0 and rest[1] < dist.get_world_size(group()):
         raised, rank_sum = round(rest[1]), round(rest[2])
-        notes = getattr(waiter, "raised_notes", None)  # the stall watchdog's, where one runs
-        what = notes([rank_sum] if raised == 1 else range(dist.get_world_size(group()))) if notes else {}
+        what = watch.raised_notes([rank_sum] if raised == 1 else range(dist.get_world_size(group())))
         raise backward_raised_error(dist.get_rank(group()), step, raised, rank_sum, what)
     clocks_agree = residues_agree(rest[_HEAD : _HEAD + _RESIDUE_WIDTH])
     if not (clocks_agree and residues_agree(rest[_HEAD + _RESIDUE_WIDTH :])):
-        raise desync_error(group(), device, clock, layout_digest, step, clocks_agree)
+        mine = DesyncReport(dist.get_rank(group()), clock, layout_digest)
+        raise desync_error(gather_objects(mine, group(), device), mine.rank, step, clocks_agree)
 
 
 class StepFlags:
@@ -465,12 +404,12 @@ class StepFlags:
         self.clock_rows = torch.tensor(rows, dtype=torch.float32, device=device)
         self.ready: Optional[torch.Event] = torch.Event(device) if device.type != "cpu" else None  # see wait
 
-    def wait(self, work: Any, waiter: Optional[Waiter]) -> None:
+    def wait(self, work: Any, watch: Watch) -> None:
         """Waits for the flags' all-reduce (None: they came back with the last bucket) before a read of the
         sums in this step: on an accelerator the stream waits, then the host polls an event through
-        ``waiter`` (the stall watchdog, which looks at the peers) instead of blocking plainly in the read
-        until NCCL's own timeout."""
-        wait_on_host(self.tail, waiter, work, self.ready)
+        ``watch`` (the stall watchdog looks at the peers) instead of blocking plainly in the read until
+        NCCL's own timeout."""
+        watch.wait_on_host(self.tail, work, self.ready)
 
     def indices(self, unused_here: Sequence[int]) -> torch.Tensor:
         """``unused_here`` as an index tensor on the flags' device, made once per pattern (the last 8 kept):
@@ -528,12 +467,9 @@ class StepFlags:
         if self.carrier is not None:
             self.carrier.copy_(tail)  # summed with the last bucket, read back by ``landed``
             return None
-        # waited by the reducer: through the watchdog where the sums are read now (or on an accelerator),
-        # on the host a step late (``StagedSums.settle``), long done by then
-        world_size = dist.get_world_size(group)
-        if tail.device.type == "cpu" and world_size * tail.numel() <= GATHER_MAX_NUMEL:
-            return _Gathered(tail, world_size, group)  # type: ignore[return-value]  # a Work's wait and is_completed
-        return cast(dist.Work, dist.all_reduce(tail, group=group, async_op=True))
+        # waited by the reducer through the watch where the sums are read now (or on an accelerator),
+        # on the host kept past the step ([Note: works kept past a step] in faults/wire.py)
+        return all_reduce_small(tail, group)
 
     def landed(self, sums: Optional[torch.Tensor] = None) -> None:
         """Carried: the last bucket is back; its room (or ``sums``, a joined rank's) holds the summed flags."""
@@ -545,7 +481,7 @@ class StepFlags:
         unused_here: Sequence[int],
         group: Callable[[], dist.ProcessGroup],
         step: int,
-        waiter: Optional[Waiter] = None,
+        watch: Watch,
     ) -> FlagSums:
         """Reads the summed flags (their all-reduce waited) at the end of ``step``.
 
@@ -553,15 +489,15 @@ class StepFlags:
             RuntimeError: on every rank, when the ranks disagree ([Note: desync detection]).
         """
         rest = self.tail[self.num_params :].tolist()  # one transfer: late flag, then both residue blocks
-        with self.clock.caught_up_on_raise(group, self.tail.device):
-            raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step, waiter)
+        with self.clock.caught_up_on_raise(group, self.tail.device, watch):
+            raise_on_desync(rest, group, self.tail.device, self.clock.steps, self.layout_digest, step, watch)
         return FlagSums(self.unused_everywhere(unused_here), rest[0] > 0, round(rest[1]))
 
     def stage(
         self,
         staged: StagedSums,
         work: Any,
-        waiter: Optional[Waiter],
+        watch: Watch,
         step: int,
         unused_here: Sequence[int],
         late_params: Sequence[str],
@@ -571,20 +507,22 @@ class StepFlags:
         this step's (being summed by ``work``) for the next step's end, and returns what this step
         needs now: the parameters no rank used, read only where this rank used none (then ``work``
         is waited now: [Note: flags read a step late])."""
+        held = self.clock.held
+        held.release()  # the last step's flags' work (and this step's buffers sent ahead): done by now
         try:
-            with self.clock.caught_up_on_raise(group, self.tail.device):
-                staged.check(group, self.layout_digest, waiter)  # after this step's collectives: every rank raises here
+            with self.clock.caught_up_on_raise(group, self.tail.device, watch):
+                staged.check(group, self.layout_digest, watch)  # after this step's collectives: every rank raises here
         except RuntimeError:
-            self.wait(work, waiter)  # nothing left in flight that the next step's flags would race with
+            self.wait(work, watch)  # nothing left in flight that the next step's flags would race with
             raise
         unused: frozenset[int] = frozenset()
         if unused_here:
-            self.wait(work, waiter)
+            self.wait(work, watch)
             work, unused = None, self.unused_everywhere(unused_here)
         rest = self.tail[self.num_params :]
-        staged.stage(rest, self.host_views[self.turn], work, waiter, step, self.clock.steps, late_params)
-        if staged.work is not None:
-            self.clock.held.append(staged)  # let go at the optimizer step
+        staged.stage(rest, self.host_views[self.turn], work, watch, step, self.clock.steps, late_params)
+        if work is not None and staged.event is None:
+            held.hold(work)  # on the host: waited at the next release ([Note: works kept past a step])
         self.turn ^= 1
         return FlagSums(unused, any_late=False)
 

@@ -4,9 +4,9 @@ At each point of a synchronised backward the reducer (and, before it, the
 forward hooks) makes one ``Probe`` call. The probe feeds the three listeners
 from that one call:
 
-- the stall watchdog's note of where this rank is (watchdog.py: what a
-  failing rank's error says about the others), a ``Place`` (lifecycle.py),
-  when a watchdog runs;
+- the module's watch, the note of where this rank is (a ``Place``): what a
+  failing rank's error says about the others where the stall watchdog runs
+  (watchdog.py), kept by the plain watch too (faults/wire.py);
 - an observer of the step's timeline (``StepEvents``; timeline.py's recorder
   is the one ``log_summary()`` attaches), off by default;
 - the profiler: ``span(phase, bucket)`` runs a phase under
@@ -15,8 +15,8 @@ from that one call:
   bucket by name.
 
 [Note: observer cost]
-With no watchdog, no observer and no profiler, a point costs one or two
-attribute checks. The gradient hook, once per parameter per step, checks the
+With no observer and no profiler, a point costs one or two attribute
+checks and the watch's note (a few attribute writes). The gradient hook, once per parameter per step, checks the
 observer inline (``probe.events``) instead of calling ``grad``. Every
 event is one call, one clock read and a store (timeline.py); measured in
 benchmarks/bench_observe.py.
@@ -44,7 +44,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from torchreplicate.faults.place import Collective, Place
-from torchreplicate.faults.watchdog import StallWatch
+from torchreplicate.faults.wire import Watch
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.torch_internals import profiler_active
 
@@ -138,7 +138,9 @@ class Probe:
     __slots__ = ("watch", "events")
 
     def __init__(self) -> None:
-        self.watch: Optional[StallWatch] = None  # the stall watchdog, at world size > 1 unless turned off
+        # every host wait on a peer and where this rank is: the stall watchdog (watchdog.py), at world
+        # size > 1 unless turned off, else a plain watch (faults/wire.py)
+        self.watch = Watch()
         self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
 
     def at(self, place: Place, detail: str = "") -> None:
@@ -149,8 +151,7 @@ class Probe:
             detail: the bucket's parameters, or what a re-plan changed, for
                 messages only. Default "".
         """
-        if self.watch is not None:
-            self.watch.at(place, detail)
+        self.watch.at(place, detail)
 
     def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
         """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
@@ -228,19 +229,19 @@ class ReducerInfo(NamedTuple):
 
     Attributes:
         device: where the buckets live (an observer's own collectives run there).
-        waiter: waits the reducer's collectives (the stall watchdog), or None.
+        watch: waits the reducer's collectives (the module's: the stall watchdog, or plain).
         buckets: the bucket layout, in launch order.
     """
 
     device: torch.device
-    waiter: Optional[StallWatch]
+    watch: Watch
     buckets: tuple[BucketInfo, ...]
 
     @classmethod
-    def of(cls, buckets: Sequence[Bucket], waiter: Optional[StallWatch]) -> ReducerInfo:
+    def of(cls, buckets: Sequence[Bucket], watch: Watch) -> ReducerInfo:
         """What observers read of ``buckets`` (a reducer's, in launch order)."""
         infos = tuple(
             BucketInfo(b.index, tuple(s.name for s in b.slots), b.numel, b.numel * b.grads.element_size())
             for b in buckets
         )
-        return cls(buckets[0].buffer.device, waiter, infos)
+        return cls(buckets[0].buffer.device, watch, infos)

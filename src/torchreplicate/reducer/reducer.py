@@ -105,7 +105,7 @@ from torchreplicate.errors import (
     warn_late_unreduced,
 )
 from torchreplicate.faults.place import Collective, Place
-from torchreplicate.faults.watchdog import diagnosing
+from torchreplicate.faults.wire import WeakGroup
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import (
     Bucket,
@@ -117,7 +117,7 @@ from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, Traini
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
-from torchreplicate.reducer.reduction import BucketTensors, Reduction, WeakGroup
+from torchreplicate.reducer.reduction import BucketTensors, Reduction
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.tied_rows import TiedRows
@@ -179,7 +179,7 @@ class Reducer:
         self.layout_policy = policy
         self.buckets = build_buckets(policy, bucket_kind, self._flags_room())
         self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
-        self._group = WeakGroup(group)  # held weakly: reduction.py
+        self._group = WeakGroup(group)  # held weakly: faults/wire.py
         self._clock = clock
         self._bind()  # the flags, the rounds, the wire bytes
         # - Across steps
@@ -413,7 +413,7 @@ class Reducer:
         self.lifecycle.now = TrainingState.FINALIZING
         end_ns = time.perf_counter_ns()
         try:
-            with diagnosing(self.probe.watch):
+            with self.probe.watch.diagnosing():
                 sums = self.sums = self._reduce_rest()
                 late_grads: dict[int, torch.Tensor] = {}
                 for bucket in self.buckets:
@@ -441,11 +441,10 @@ class Reducer:
         # what is left of the step's collectives, as a joined rank does, and says it raised: in this
         # step's flags if they had not left, else in the next step's.
         watch = self.probe.watch
-        if isinstance(error, AgreedError) or (watch is not None and watch.failed):
+        if isinstance(error, AgreedError) or watch.failed:
             return
         step, what = self.num_steps - self.layout_agreed, describe_error(error)  # _learn counted the step
-        if watch is not None:
-            watch.note_raised(step, what)
+        watch.note_raised(step, what)
         if not self.flags_sent:
             first = self.num_launched
             for bucket in self.buckets:
@@ -472,8 +471,7 @@ class Reducer:
         """A synchronised forward raised on this rank ([Note: a backward that raised]): the backward the
         other ranks run, as a joined rank's (zeros), with flags that say this rank raised ``what``."""
         warn_forward_raised(self.num_steps)
-        if self.probe.watch is not None:
-            self.probe.watch.note_raised(self.num_steps, what)
+        self.probe.watch.note_raised(self.num_steps, what)
         self._build_agreed_layout()
         self._new_step()
         with contextlib.suppress(AgreedError):  # raised here too at an immediate read: this rank has its own
@@ -612,7 +610,7 @@ class Reducer:
         elif not policy.learned:
             self.probe.at(Place(TrainingState.FINALIZING, self.num_steps - 1, collective=Collective.LAYOUT))
             watch, rows_ns = self.probe.watch, self.tied_rows.round_ns
-            rebuild = learn_layout(policy, first_ready, self.group, like, ready_ns, end_ns, rows_ns, watch)
+            rebuild = learn_layout(policy, first_ready, self.group, like, watch, ready_ns, end_ns, rows_ns)
             if settle_tied(policy, self.tied_rows):  # the split dropped: the forward stops detaching
                 self.tied_rows, rebuild = TiedRows((), self.sync), True
         else:

@@ -12,22 +12,19 @@ where a reduction says so (``flags_after_waits``), once every bucket is back.
 Neither this file nor bucket.py imports
 the other: the reducer binds them.
 
-The step's collectives are here, with what they need: the process group,
-held weakly (``WeakGroup``), ``all_reduce`` and ``wait_for``, which wait
-through the stall watchdog (``Waiter``); the rounds after the buckets, the
-buffer sync and the set-up (core/checks.py, core/buffers.py, core/setup.py)
-use them.
+The bucket's collectives are launched here and waited through the module's
+``Watch`` (faults/wire.py, which owns every other collective and wait).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, cast
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import compiled_hook_error, complex_wire_error
+from torchreplicate.faults.wire import Watch, WeakGroup, all_reduce
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
@@ -55,97 +52,6 @@ class BucketTensors(NamedTuple):
         return self.buffer[: self.numel]
 
 
-class WeakGroup:
-    """A process group held weakly.
-
-    ``destroy_process_group()`` frees a group only when nothing else holds
-    it. A model (often alive until interpreter exit) that held its group
-    would keep gloo's worker threads running into interpreter finalization,
-    where a thread releasing a finished work's tensors needs the GIL and
-    aborts the process ("terminate called without an active exception"; seen
-    under torch 2.13 one exit in ~20, see pytorch/pytorch#179291).
-
-    Args:
-        group: the process group.
-    """
-
-    __slots__ = ("_ref", "name")
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._ref = weakref.ref(group)
-        self.name = group.group_name  # how traced code names it ([Note: compiled autograd])
-
-    def get(self) -> dist.ProcessGroup:
-        """The group; RuntimeError if it was destroyed."""
-        group = self._ref()
-        if group is None:
-            raise RuntimeError(
-                "replicate(): the module's process group was destroyed "
-                "(torch.distributed.destroy_process_group()); a replicated module runs "
-                "forward and backward only while its group exists"
-            )
-        return group
-
-
-class Waiter(Protocol):
-    """Waits for a collective's work: the stall watchdog (``StallWatch.wait`` in watchdog.py)."""
-
-    def wait(self, work: dist.Work) -> None:
-        """Returns when ``work`` completed; raises its error, or the watchdog's."""
-
-    def wait_until(self, done: Callable[[], bool]) -> None:
-        """Returns when ``done()`` is true (an event's ``query``); raises the watchdog's error."""
-
-
-def wait_for(work: dist.Work, waiter: Optional[Waiter]) -> None:
-    """Waits for ``work`` through ``waiter`` (the stall watchdog), or plainly when None."""
-    if waiter is None:
-        work.wait()
-    else:
-        waiter.wait(work)
-
-
-def wait_on_host(
-    tensor: torch.Tensor,
-    waiter: Optional[Waiter],
-    work: Optional[dist.Work] = None,
-    ready: Optional[torch.Event] = None,
-) -> None:
-    """Returns once ``tensor``'s collective (``work``, None: one already waited for) is done, on the host too.
-
-    On an accelerator the host would block in a read until the device is done: where a peer hangs, past
-    the stall watchdog, until NCCL's own timeout. So the stream waits for ``work``, then an event
-    (``ready``, one the caller keeps, or a new one) is polled through ``waiter`` (the watchdog, which
-    names a peer that never comes): a read after this one does not block.
-    """
-    if work is not None:
-        wait_for(work, waiter)
-    if waiter is not None and (ready is not None or tensor.device.type != "cpu"):  # a kept event: an accelerator's
-        ready = torch.Event(tensor.device) if ready is None else ready
-        ready.record(torch.accelerator.current_stream(tensor.device))
-        waiter.wait_until(ready.query)
-
-
-def read_on_host(tensor: torch.Tensor, waiter: Optional[Waiter], work: Optional[dist.Work] = None) -> list[Any]:
-    """``tensor.tolist()`` once its collective is done (``wait_on_host``: the wait polled through ``waiter``)."""
-    wait_on_host(tensor, waiter, work)
-    return tensor.tolist()
-
-
-def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, waiter: Optional[Waiter] = None, *, async_op: bool = False
-) -> Optional[dist.Work]:
-    """``dist.all_reduce`` (a sum), under the group's own timeout, as DDP's; waited through ``waiter``.
-
-    With ``async_op`` the work is returned, for ``wait_for(work, waiter)``.
-    """
-    work = cast(dist.Work, dist.all_reduce(tensor, group=group, async_op=True))
-    if async_op:
-        return work
-    wait_for(work, waiter)
-    return None
-
-
 class Reduction:
     """The interface: how a bucket's gradients travel and become their average.
 
@@ -158,11 +64,11 @@ class Reduction:
     weak_group: WeakGroup  # the group the collectives run on (set by bind)
     flags_after_waits = False  # the flags' all-reduce waits until every bucket is back (comm hooks)
 
-    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, watch: Watch) -> None:
         """Prepares for a bucket layout.
 
-        ``waiter`` waits each collective the reduction launches itself
-        ([Note: stall watchdog] in watchdog.py); None: a plain wait.
+        ``watch`` waits each collective the reduction launches itself
+        ([Note: stall watchdog] in watchdog.py).
         """
         raise NotImplementedError
 
@@ -239,7 +145,7 @@ class AllReduce(Reduction):
         self.reduce_dtype = reduce_dtype
         self.gradient_divide_factor = gradient_divide_factor
         # - Bound to one bucket layout (bind)
-        self._waiter: Optional[Waiter] = None  # waits each all-reduce (the stall watchdog), or None
+        self._watch = Watch()  # waits each all-reduce (the module's: the stall watchdog, or plain)
         self._buckets: Sequence[BucketTensors] = ()
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
@@ -249,9 +155,9 @@ class AllReduce(Reduction):
         # a scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply).
         self.scales: list[torch.Tensor] = []
 
-    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, watch: Watch) -> None:
         self.weak_group = group
-        self._waiter = waiter
+        self._watch = watch
         self._buckets = buckets
         self.divide_factor = self._default_divide_factor()
         self.wires, self.scales = [], []
@@ -319,18 +225,19 @@ class AllReduce(Reduction):
         zeros = [torch.zeros_like(wire) for wire in self.wires[first:stop]]
         if flags is not None and zeros and stop == len(self.wires):
             zeros[-1][self._buckets[-1].numel :].copy_(flags)
-        for work in [all_reduce(zero, group, async_op=True) for zero in zeros]:
-            wait_for(cast(dist.Work, work), self._waiter)
+        for work in [all_reduce(zero, group) for zero in zeros]:
+            self._watch.wait(work)
         return zeros[-1][self._buckets[-1].numel :] if flags is not None and zeros else None
 
     def launch(self, index: int) -> Any:
         wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
             wire.copy_(bucket.buffer)
-        return all_reduce(wire, self.weak_group.get(), self._waiter, async_op=True)
+        # the bucket's own collective, launched here (faults/wire.py launches those outside the buckets)
+        return dist.all_reduce(wire, group=self.weak_group.get(), async_op=True)
 
     def wait(self, index: int, handle: Any) -> None:
-        wait_for(handle, self._waiter)
+        self._watch.wait(handle)
         wire, bucket = self.wires[index], self._buckets[index]
         if wire is not bucket.buffer:
             bucket.buffer.copy_(wire)
@@ -385,7 +292,7 @@ class HookReduction(Reduction):
         # - Per step: the last bucket's future, waited before the next hook call
         self._previous: Any = None
 
-    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, waiter: Optional[Waiter]) -> None:
+    def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, watch: Watch) -> None:
         # The hook launches its own collectives, waited through its futures:
         # only the flags' all-reduce is watched (docs/faults.md).
         self.weak_group = group

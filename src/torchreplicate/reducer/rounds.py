@@ -20,10 +20,10 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate.faults.wire import all_reduce
 from torchreplicate.reducer.bucket import Bucket
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe
-from torchreplicate.reducer.reduction import all_reduce
 
 
 class RoundInputs(NamedTuple):
@@ -77,14 +77,14 @@ class LateRound:
         with end.probe.span("late_round"):
             end.probe.late_round(True, end.step)
             for bucket in end.buckets:
-                all_reduce(extra := bucket.late_sum(end.late_grads), end.group, end.probe.watch)
+                end.probe.watch.wait(all_reduce(extra := bucket.late_sum(end.late_grads), end.group))
                 bucket.add_to_grads(extra.div_(end.divide_factor))
             end.probe.late_round(False, end.step)
 
     def shadow(self, end: RoundInputs) -> None:
         """Zeros for every bucket."""
         for bucket in end.buckets:
-            all_reduce(torch.zeros_like(bucket.grads), end.group, end.probe.watch)
+            end.probe.watch.wait(all_reduce(torch.zeros_like(bucket.grads), end.group))
 
 
 LATE_ROUND = LateRound()  # it keeps nothing between steps: one for every reducer

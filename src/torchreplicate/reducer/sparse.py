@@ -16,9 +16,9 @@ from typing import Sequence
 import torch
 
 from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.wire import all_reduce
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.reduction import all_reduce
 from torchreplicate.reducer.rounds import RoundInputs
 
 
@@ -53,13 +53,13 @@ class SparseGrads:
                     f"replicate(): parameter {slot.name!r} was planned for sparse gradients (nn.Embedding(sparse=True))"
                     " but got a dense one; set the module's sparse flag before replicate() and keep it"
                 )
-            all_reduce(summed := grad.coalesce().clone(), end.group, end.probe.watch)
+            end.probe.watch.wait(all_reduce(summed := grad.coalesce().clone(), end.group))
             param.grad = None if slot.index in end.sums.unused_everywhere else (summed / end.divide_factor).coalesce()
 
     def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part (join.py): an empty gradient for every sparse parameter."""
         for slot in self.slots:
-            all_reduce(_empty_like(slot.param), end.group, end.probe.watch)
+            end.probe.watch.wait(all_reduce(_empty_like(slot.param), end.group))
 
 
 def _empty_like(param: torch.Tensor) -> torch.Tensor:

@@ -45,15 +45,15 @@ too (``shadow``).
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.wire import Watch, all_reduce
 from torchreplicate.lifecycle import SyncSwitch, TrainingState
 from torchreplicate.reducer.bucket import ParamSlot
-from torchreplicate.reducer.reduction import Waiter, all_reduce, wait_on_host
 from torchreplicate.reducer.rounds import RoundInputs
 
 
@@ -104,9 +104,9 @@ class TiedRows:
         end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.TIED_ROWS))
         with end.probe.span("tied_rows"):
             started = time.perf_counter_ns()
-            group, waiter, divide_factor = end.group, end.probe.watch, end.divide_factor
+            group, watch, divide_factor = end.group, end.probe.watch, end.divide_factor
             kept, self.kept = self.kept, {}
-            for slot, picked in zip(self.slots, self._agree_rows(group, waiter, kept), strict=True):
+            for slot, picked in zip(self.slots, self._agree_rows(group, watch, kept), strict=True):
                 if picked.numel() == 0:
                     continue
                 param, grad = slot.param, kept.get(slot.index)
@@ -115,7 +115,7 @@ class TiedRows:
                 else:
                     mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
                 # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
-                all_reduce(mean, group, waiter)
+                watch.wait(all_reduce(mean, group))
                 slot.bucket.add_rows(slot, picked, mean)
             self.round_ns = time.perf_counter_ns() - started
 
@@ -124,18 +124,17 @@ class TiedRows:
         """A joined rank's part (join.py): the same collectives, zeros."""
         for slot, picked in zip(self.slots, self._agree_rows(end.group, end.probe.watch, {}), strict=True):
             if picked.numel():
-                all_reduce(slot.param.new_zeros((picked.numel(), *_row_shape(slot.param))), end.group, end.probe.watch)
+                zeros = slot.param.new_zeros((picked.numel(), *_row_shape(slot.param)))
+                end.probe.watch.wait(all_reduce(zeros, end.group))
 
-    def _agree_rows(
-        self, group: dist.ProcessGroup, waiter: Optional[Waiter], kept: dict[int, torch.Tensor]
-    ) -> list[torch.Tensor]:
+    def _agree_rows(self, group: dist.ProcessGroup, watch: Watch, kept: dict[int, torch.Tensor]) -> list[torch.Tensor]:
         # Per slot, the rows some rank's kept gradient touched (ascending), the same on every rank.
         sizes = [_num_rows(slot.param) for slot in self.slots]
         mask = torch.zeros(sum(sizes), dtype=torch.int32, device=self.slots[0].param.device)
         for slot, piece in zip(self.slots, mask.split(sizes), strict=True):
             if (grad := kept.get(slot.index)) is not None:
                 piece.copy_((grad.reshape(piece.numel(), -1) != 0).any(dim=1))
-        wait_on_host(mask, waiter, all_reduce(mask, group, async_op=True))  # waited and polled, not read
+        watch.wait_on_host(mask, all_reduce(mask, group))  # waited and polled, not read
         rows = [piece.nonzero().squeeze(1) for piece in mask.split(sizes)]  # the one read: which rows travel
         self.rows_bytes = sum(
             picked.numel() * _row_shape(slot.param)[0] * slot.param.element_size()

@@ -9,14 +9,14 @@ bandwidth`` and ``choose_cap`` turns the line into a bucket cap.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Optional, Sequence, cast
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.config import MiB
+from torchreplicate.faults.wire import Watch, all_reduce
 from torchreplicate.reducer.layout.plan import MAX_CAP, MIN_CAP
-from torchreplicate.reducer.reduction import Waiter, read_on_host
 from torchreplicate.torch_internals import keep_device_busy
 
 OVERHEAD = 0.1  # the latency a bucket may add, as a share of its transfer time
@@ -81,23 +81,23 @@ def measure_link(
     dtype: torch.dtype,
     device: torch.device,
     budget_bytes: int,
-    waiter: Optional[Waiter] = None,
+    watch: Watch,
 ) -> LinkModel:
-    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count (read through
-    ``waiter``, the stall watchdog)."""
+    """Times all-reduces (``calibration_sizes``) on ``group``; the slowest rank's times count. Every wait
+    goes through ``watch`` (the stall watchdog names a peer that never comes)."""
     sizes = calibration_sizes(budget_bytes, element := torch.empty((), dtype=dtype).element_size())
     typical = []
     for numel in sizes:
         scratch = torch.zeros(numel, dtype=dtype, device=device)
-        dist.all_reduce(scratch, group=group)  # warm: connections, allocator
-        seconds = [_timed_all_reduce(scratch, group) for _ in range(CALIBRATION_REPEATS)]
+        watch.wait(all_reduce(scratch, group))  # warm: connections, allocator
+        seconds = [_timed_all_reduce(scratch, group, watch) for _ in range(CALIBRATION_REPEATS)]
         typical.append(sorted(seconds)[len(seconds) // 2])
     timings = torch.tensor(typical, dtype=torch.float64, device=device)
-    work = dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=group, async_op=True)  # the same numbers everywhere
-    return fit_link([numel * element for numel in sizes], read_on_host(timings, waiter, cast(dist.Work, work)))
+    work = all_reduce(timings, group, op=dist.ReduceOp.MAX)  # the same numbers everywhere
+    return fit_link([numel * element for numel in sizes], watch.read_on_host(timings, work))
 
 
-def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:
+def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup, watch: Watch) -> float:
     # Seconds one all-reduce of `scratch` takes. On a GPU the CPU only enqueues
     # it (NCCL's wait orders the stream), so the transfer is timed by CUDA events
     # on the current stream, which waits for it; the calibration is the one
@@ -108,10 +108,10 @@ def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         keep_device_busy(scratch.device)
         start.record()
-        dist.all_reduce(scratch, group=group)
+        watch.wait(all_reduce(scratch, group))
         end.record()
-        end.synchronize()
+        watch.wait_until(end.query)  # polled: a peer that never comes is named, not waited for until NCCL's abort
         return float(start.elapsed_time(end)) / 1e3
     started = time.perf_counter()
-    dist.all_reduce(scratch, group=group)
+    watch.wait(all_reduce(scratch, group))
     return time.perf_counter() - started

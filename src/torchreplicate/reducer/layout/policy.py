@@ -71,12 +71,13 @@ first step, then the rebuilt ones) does not give at 3+ ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
+from torchreplicate.faults.wire import Watch, broadcast
 from torchreplicate.reducer.bucket import Bucket, ParamSlot
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.layout.link import LinkModel, choose_cap, measure_link
@@ -89,7 +90,6 @@ from torchreplicate.reducer.layout.plan import (
     ddp_limits,
     plan_buckets,
 )
-from torchreplicate.reducer.reduction import Waiter, read_on_host
 
 if TYPE_CHECKING:
     from torchreplicate.reducer.tied_rows import TiedRows
@@ -113,13 +113,12 @@ def agree_order(
     device: torch.device,
     ready_us: Sequence[int],
     times_us: Sequence[int],
-    waiter: Optional[Waiter] = None,
+    watch: Watch,
 ) -> tuple[list[int], list[int], list[int]]:
     """Group rank 0's order, readiness and other times (microseconds), on every rank (one broadcast,
-    waited and read through ``waiter``, the stall watchdog)."""
+    waited and read through ``watch``)."""
     tensor = torch.tensor([*order, *ready_us, *times_us], dtype=torch.int64, device=device)
-    work = dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)
-    values = [int(i) for i in read_on_host(tensor, waiter, cast(dist.Work, work))]
+    values = [int(i) for i in watch.read_on_host(tensor, broadcast(tensor, group))]
     count = len(order)
     return values[:count], values[count : 2 * count], values[2 * count :]
 
@@ -245,10 +244,10 @@ def learn_layout(
     first_ready: Sequence[int],
     group: dist.ProcessGroup,
     like: torch.Tensor,
+    watch: Watch,
     ready_ns: Sequence[int] = (),
     end_ns: int = 0,
     rows_ns: int = 0,
-    waiter: Optional[Waiter] = None,
 ) -> bool:
     """Fills ``policy`` with the agreed launch order and, when tuned, the cap and schedule; whether to rebuild.
 
@@ -257,10 +256,10 @@ def learn_layout(
         first_ready: slot indices in the order they first got a gradient on this rank.
         group: the process group (the agreement collectives run on it).
         like: a tensor on the device and of the dtype the buckets use.
+        watch: waits and reads the agreement's collectives (the module's: the stall watchdog, or plain).
         ready_ns: ``time.perf_counter_ns()`` of each of ``first_ready`` (empty: not known here).
         end_ns: the same clock when backward ended.
         rows_ns: how long the tied parameters' rows round took (tied_rows.py), or 0.
-        waiter: waits and reads the agreement's collectives (the stall watchdog), or None.
     """
     policy.learned = True
     if not policy.dense:
@@ -272,28 +271,26 @@ def learn_layout(
     start = min(when.values(), default=end_ns)
     ready_us = [(when.get(i, end_ns) - start) // 1000 if when else 0 for i in order]
     policy.order, agreed_us, (end_us, rows_us) = agree_order(
-        order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000], waiter
+        order, group, like.device, ready_us, [(end_ns - start) // 1000, rows_ns // 1000], watch
     )
     policy.ready_s, policy.end_s, policy.rows_s = [t * 1e-6 for t in agreed_us], end_us * 1e-6, rows_us * 1e-6
     policy.cap_changes_layout = policy.tune_cap and cap_changes_layout(policy)
     if policy.tune_cap and policy.cap_changes_layout:
-        policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes, waiter)
+        policy.link = measure_link(group, like.dtype, like.device, policy.grad_bytes, watch)
         policy.cap_bytes = choose_cap(policy.link)
         policy.first_cap_bytes = min(policy.first_cap_bytes, policy.cap_bytes)
         policy.lengths = schedule(policy)
     return True
 
 
-def retune_cap(
-    policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor, waiter: Optional[Waiter] = None
-) -> bool:
+def retune_cap(policy: LayoutPolicy, group: dist.ProcessGroup, like: torch.Tensor, watch: Watch) -> bool:
     """Measures the link again; whether the cap moved enough to rebuild (then ``policy`` holds it).
 
     Never measures where no cap changes the layout (``cap_changes_layout``).
     """
     if not policy.cap_changes_layout:
         return False
-    link = measure_link(group, like.dtype, like.device, policy.grad_bytes, waiter)
+    link = measure_link(group, like.dtype, like.device, policy.grad_bytes, watch)
     cap = choose_cap(link)
     if max(cap, policy.cap_bytes) / min(cap, policy.cap_bytes) <= RETUNE_FACTOR:
         return False
