@@ -163,7 +163,6 @@ WRITERS = {
     "first_steps": "bench_first_step",
     "watchdog_scale": "bench_watchdog",
     "torchft_recovery": "bench_torchft",
-    "issue3": "bench_before_after",
 }
 NOT_RENDERED = {"setup_times": "scripts/record_times.sh writes both files in shell; its .md is its own"}
 RENDERERS = ("markdown_tables", "markdown", "table_of", "table")  # each script's report -> markdown
