@@ -3,9 +3,9 @@
 
 Usage (as root: the hosts are network namespaces)::
 
-    python benchmarks/bench_net.py                       # full run, both rates, ~6 min on 2 CPU cores
-    python benchmarks/bench_net.py --quick               # smoke run, 1gbit only, ~2-3 min, to /tmp/bench_net_quick
-    python benchmarks/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
+    python benchmarks/ddp_on_a_link/bench_net.py                       # full run, both rates, ~6 min on 2 CPU cores
+    python benchmarks/ddp_on_a_link/bench_net.py --quick               # smoke run, 1gbit only, ~2-3 min, to /tmp/bench_net_quick
+    python benchmarks/ddp_on_a_link/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
 
 For each link rate, ``benchlib.hosts.launch_on_hosts`` makes two hosts
 (``hostnet``, in tools/: network namespaces joined by a veth pair whose
@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.engines import Engine, build_engine
 from benchlib.hosts import hosts_available, launch_on_hosts
 from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, build_model, loss_of, make_batch
