@@ -4,7 +4,7 @@
 # src/ is edited meanwhile. Prints the PYTHONPATH to use:
 #
 #   export PYTHONPATH=$(sh benchmarks/snapshot.sh)
-#   python benchmarks/bench_ddp.py
+#   python benchmarks/ddp_here/bench_ddp.py
 set -e
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 sha=$(git -C "$repo" rev-parse HEAD)

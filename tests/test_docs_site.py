@@ -303,8 +303,10 @@ READERS_FILES = {
     "replica_groups.py",
     "archive/NAME.json",
 }
-# Where a page's short path may live: as written, under the package, or beside the results.
-PATH_ROOTS = ("", "src/torchreplicate/", "src/", "tests/", "docs/", "benchmarks/", "scripts/", "benchmarks/results/")
+# Where a page's short path may live: as written, under the package, beside the results, or in the
+# benchmarks' folder of its question.
+BENCHMARK_FOLDERS = tuple(f"benchmarks/{path.name}/" for path in sorted((ROOT / "benchmarks").glob("*/")))
+PATH_ROOTS = ("", "src/torchreplicate/", "src/", "tests/", "docs/", "benchmarks/", "scripts/", *BENCHMARK_FOLDERS)
 
 
 def test_every_file_a_page_names_exists():

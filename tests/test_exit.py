@@ -8,7 +8,7 @@ argument, so destroy_process_group() no longer freed it and gloo's threads
 met the interpreter's teardown ([Note: no imports after
 init_process_group] in torch_internals.py). The first test checks the
 cause is gone on every path that imports lazily; the second runs a few
-short runs next to busy loops (benchmarks/bench_exit.py runs many more and
+short runs next to busy loops (tests/exit_under_load.py runs many more and
 prints the counts).
 """
 
@@ -27,18 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exit_under_load import busy
 from harness import TORCHRUN, run_command
 from local_ranks import launch
 from torchreplicate import replicate
 
 NUM_RUNS = 5
 NUM_BUSY = 2  # busy loops alongside, one core each
-
-
-def _busy(stop_at: float) -> None:
-    x = 0
-    while time.monotonic() < stop_at:
-        x = (x * 1103515245 + 12345) % 2**31
 
 
 def _model() -> nn.Module:
@@ -131,7 +126,7 @@ def test_a_group_bound_by_an_import_after_init_is_freed_at_exit():
 @pytest.mark.timeout(240)
 def test_short_runs_under_cpu_load_exit_cleanly():
     context = multiprocessing.get_context("spawn")
-    burners = [context.Process(target=_busy, args=(time.monotonic() + 200,), daemon=True) for _ in range(NUM_BUSY)]
+    burners = [context.Process(target=busy, args=(time.monotonic() + 200,), daemon=True) for _ in range(NUM_BUSY)]
     for burner in burners:
         burner.start()
     command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/train.py", "--steps", "10"]

@@ -29,7 +29,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # The headline result files and how each is refreshed (the README's first screen quotes them).
 HEADLINES = {
     "ddp_bits_loopback_2.json": (
-        ".venv/bin/python benchmarks/bench_ddp.py --rounds 12 --no-ws1 --no-memory --no-instrument "
+        ".venv/bin/python benchmarks/ddp_here/bench_ddp.py --rounds 12 --no-ws1 --no-memory --no-instrument "
         "--name ddp_bits_loopback_2"
     ),
 }
@@ -107,9 +107,9 @@ def test_every_stored_median_is_the_median_of_its_per_round_data():
 
 def test_a_run_records_its_provenance_and_no_machine_path(monkeypatch):
     report = _report_module()
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "bench_ddp.py"), "--quick"])
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "ddp_here" / "bench_ddp.py"), "--quick"])
     env = report.run_env()
-    assert env["argv"] == ["benchmarks/bench_ddp.py", "--quick"], env["argv"]
+    assert env["argv"] == ["benchmarks/ddp_here/bench_ddp.py", "--quick"], env["argv"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", env["utc"]), env["utc"]
     assert env["cpu_model"] and env["cpu_count"] >= 1
     assert env["torch"] and env["python"] and len(env["git"]["head"]) == 40
@@ -163,7 +163,6 @@ WRITERS = {
     "first_steps": "bench_first_step",
     "watchdog_scale": "bench_watchdog",
     "torchft_recovery": "bench_torchft",
-    "issue3": "bench_before_after",
 }
 NOT_RENDERED = {"setup_times": "scripts/record_times.sh writes both files in shell; its .md is its own"}
 RENDERERS = ("markdown_tables", "markdown", "table_of", "table")  # each script's report -> markdown
@@ -181,14 +180,16 @@ def rendered_again(path: Path) -> tuple[str, str]:
         return module.markdown(data), "scripts/range_record.py"
     argv = data.get("env", {}).get("argv")
     writer = Path(argv[0]).stem if argv else next(s for prefix, s in WRITERS.items() if name.startswith(prefix))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    script = next((ROOT / "benchmarks").glob(f"*/{writer}.py"))  # in the folder of its question
+    sys.path[:0] = [str(script.parent), str(ROOT / "benchmarks")]
     try:
         module = importlib.import_module(writer)
         from benchlib.report import run_header
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        for folder in (script.parent, ROOT / "benchmarks"):
+            sys.path.remove(str(folder))
     render = next(getattr(module, fn) for fn in RENDERERS if hasattr(module, fn))
-    return run_header(data) + "\n\n" + render(data), f"benchmarks/{writer}.py"
+    return run_header(data) + "\n\n" + render(data), str(script.relative_to(ROOT))
 
 
 def test_every_current_result_md_is_its_json_rendered_again(tmp_path):

@@ -1,6 +1,6 @@
 """A replica lost and replaced under torchft, one process per replica group; and its single-process replay.
 
-tests/test_torchft.py and benchmarks/bench_torchft.py call ``run_scenario``:
+tests/test_torchft.py and benchmarks/failure_cost/bench_torchft.py call ``run_scenario``:
 a torchft lighthouse in the calling process, three replica groups (this file
 run as ``worker``), one of which SIGKILLs itself in the middle of step
 ``die_at`` (after its forward, before its backward), and a fresh replica

@@ -32,8 +32,6 @@ from torchreplicate.reducer.reducer import Reducer
 #   size 1 it builds none): its bookkeeping when collectives are nearly free;
 # - noop_hooks: one empty Python post-accumulate-grad hook per parameter, the
 #   floor of any reducer driven by Python hooks;
-# - ours_before: replicate() defaults of an earlier revision (benchlib/before.py),
-#   imported as torchreplicate_before from sys.path (bench_before_after.py).
 ENGINE_KINDS = (
     "local",
     "ddp",
@@ -43,7 +41,6 @@ ENGINE_KINDS = (
     "torch_replicate",
     "reducer",
     "noop_hooks",
-    "ours_before",
 )
 
 
@@ -133,12 +130,6 @@ def build_engine(kind: str, model_name: str, *, seed: int = 0, model: Optional[n
         for child in _blocks(model):
             torch_replicate(child)
         return Engine(kind, model_name, torch_replicate(model), model)
-    if kind == "ours_before":
-        import torchreplicate_before  # type: ignore[import-not-found]  # on sys.path: benchlib/before.py
-
-        replicated = torchreplicate_before.replicate(model)
-        reducer = torchreplicate_before.replicate.state(replicated).reducer
-        return Engine(kind, model_name, replicated, model, reducer=reducer)
     if kind == "reducer":
         replicated = replicate(model)
         return Engine(kind, model_name, replicated, model, reducer=build_internal_reducer(replicated))

@@ -7,13 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 MODEL_NAMES = ("mlp", "gpt", "small")  # bench_ddp.py's default set
-# asked for by name: the realistic step (bench_before_after.py), host time per tensor (bench_ddp.py)
-EXTRA_MODEL_NAMES = ("bn", "tiny")
+# asked for by name: host time per tensor (bench_ddp.py)
+EXTRA_MODEL_NAMES = ("tiny",)
 MODEL_TITLES = {
     "mlp": "MLP 8x Linear(1024,1024)",
     "gpt": "GPT 6L d256 V8192 (tied)",
     "small": "64x (Linear(128)+LayerNorm)",
-    "bn": "8x (Linear(1024)+BatchNorm1d) (buffers, 3 buckets)",
     "tiny": "600x Linear(16,16) (1,200 tensors)",
 }
 
@@ -87,18 +86,13 @@ def build_model(name: str) -> nn.Module:
         return GPT()
     if name == "tiny":  # host time per tensor: 1,200 tensors of 16 or 256 elements, compute next to nothing
         return nn.Sequential(*[nn.Linear(16, 16) for _ in range(600)])
-    if name == "bn":  # tests/test_step_shape.py's realistic step
-        layers = []
-        for _ in range(8):
-            layers += [nn.Linear(1024, 1024), nn.BatchNorm1d(1024), nn.ReLU()]
-        return nn.Sequential(*layers, nn.Linear(1024, 1024))
     raise ValueError(f"build_model(): unknown model {name!r}; expected one of {MODEL_NAMES + EXTRA_MODEL_NAMES}")
 
 
 def make_batch(name: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed (input, target) batch of ``rank``, different on every rank."""
     g = torch.Generator().manual_seed(1000 + rank)
-    if name in ("mlp", "bn"):
+    if name == "mlp":
         return torch.randn(32, 1024, generator=g), torch.randn(32, 1024, generator=g)
     if name == "small":
         return torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)

@@ -8,11 +8,11 @@ the GIL) coming back to Python after finalization began. Load widens the
 window, so this script runs many short runs next to ``--load`` busy
 processes and counts how each ended. Run::
 
-    .venv/bin/python benchmarks/bench_exit.py --runs 40 --load 4
+    .venv/bin/python tests/exit_under_load.py --runs 40 --load 4
 
 It prints one line per run and the counts; the exit status is 1 when any run
 aborted or failed, so it doubles as a stress test (tests/test_exit.py runs a
-few of them).
+few runs like them, with its busy loops).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ABORT_TEXT = "terminate called"
 
 
-def _busy(stop_at: float) -> None:
+def busy(stop_at: float) -> None:
     # one core's worth of load, until stop_at
     x = 0
     while time.monotonic() < stop_at:
@@ -67,7 +67,7 @@ def run(num_runs: int, load: int, steps: int, timeout_s: float = 120.0, verbose:
     counts: Counter[str] = Counter()
     stop_at = time.monotonic() + num_runs * timeout_s
     context = multiprocessing.get_context("spawn")
-    burners = [context.Process(target=_busy, args=(stop_at,), daemon=True) for _ in range(load)]
+    burners = [context.Process(target=busy, args=(stop_at,), daemon=True) for _ in range(load)]
     for burner in burners:
         burner.start()
     try:

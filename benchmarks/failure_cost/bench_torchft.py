@@ -1,6 +1,6 @@
 """A replica lost and replaced under torchft: ``replicate_ft`` against torchft's own DDP wrapper.
 
-    python benchmarks/bench_torchft.py [--hidden 256] [--steps 40] [--die-at 10]
+    python benchmarks/failure_cost/bench_torchft.py [--hidden 256] [--steps 40] [--die-at 10]
 
 The scenario of tests/test_torchft.py (tests/torchft_runs.py: a lighthouse,
 three replica groups of one process, one SIGKILLed in step ``--die-at``, a
@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.report import RESULTS_DIR, finish_report, run_env
 from local_ranks import free_port
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
 import torchft_runs  # noqa: E402  (tests/: the scenario the test runs, shared)
 
 ENGINES = {"ours": "plain_ours", "torchft_ddp": "plain_ddp"}  # with torchft -> the same without

@@ -3,8 +3,8 @@
 
 Usage::
 
-    python benchmarks/bench_observe.py            # full run, ~2 min on 2 CPU cores
-    python benchmarks/bench_observe.py --quick    # smoke run, ~40 s
+    python benchmarks/option_cost/bench_observe.py            # full run, ~2 min on 2 CPU cores
+    python benchmarks/option_cost/bench_observe.py --quick    # smoke run, ~40 s
 
 One launch, 2 ranks, gloo, one intra-op thread per rank. Per model, three
 engines live side by side in one process group, each a ``replicate()`` of
@@ -46,6 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record

@@ -3,9 +3,9 @@
 
 Usage::
 
-    python benchmarks/bench_hooks.py              # full run, ~3 min on 2 CPU cores
-    python benchmarks/bench_hooks.py --quick      # smoke run, ~40 s
-    python benchmarks/bench_hooks.py --variants fp32,psgd_r1 --rounds 10
+    python benchmarks/option_cost/bench_hooks.py              # full run, ~3 min on 2 CPU cores
+    python benchmarks/option_cost/bench_hooks.py --quick      # smoke run, ~40 s
+    python benchmarks/option_cost/bench_hooks.py --variants fp32,psgd_r1 --rounds 10
 
 One launch, 2 ranks, gloo, one intra-op thread per rank, the benchmark MLP
 (8 x ``Linear(1024, 1024)``, 8.4 M parameters, batch 32). Every engine, ours
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -59,6 +60,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.collectives import count_wire
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch

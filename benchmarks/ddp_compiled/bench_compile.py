@@ -3,9 +3,9 @@
 
 Usage::
 
-    python benchmarks/bench_compile.py            # ~4 min on 2 CPU cores (compiling included)
-    python benchmarks/bench_compile.py --quick    # smoke run, ~2 min
-    python benchmarks/bench_compile.py --rate 5gbit --name compile_overlap_5gbit   # two hosts (root)
+    python benchmarks/ddp_compiled/bench_compile.py            # ~4 min on 2 CPU cores (compiling included)
+    python benchmarks/ddp_compiled/bench_compile.py --quick    # smoke run, ~2 min
+    python benchmarks/ddp_compiled/bench_compile.py --rate 5gbit --name compile_overlap_5gbit   # two hosts (root)
 
 One launch, 2 ranks, gloo, one intra-op thread per rank, the benchmark MLP
 (8 x ``Linear(1024, 1024)``, batch 32) with ``bucket_cap_mb=4`` on both
@@ -35,6 +35,7 @@ are reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, loss_of, make_batch
 from benchlib.ranks import init_rank, launch_phase, rank_record

@@ -3,9 +3,9 @@
 
 Usage::
 
-    python benchmarks/bench_dynamic.py              # full run, ~3 min on 2 CPU cores
-    python benchmarks/bench_dynamic.py --quick      # smoke run, ~40 s
-    python benchmarks/bench_dynamic.py --models mlp --unused bias --rounds 20
+    python benchmarks/option_cost/bench_dynamic.py              # full run, ~3 min on 2 CPU cores
+    python benchmarks/option_cost/bench_dynamic.py --quick      # smoke run, ~40 s
+    python benchmarks/option_cost/bench_dynamic.py --models mlp --unused bias --rounds 20
 
 One launch, 2 ranks, gloo, one intra-op thread per rank. Per model and per
 kind of unused parameter (``--unused``), five engines live side by side in
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 import warnings
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.collectives import count_wire
 from benchlib.engines import Engine
 from benchlib.models import MODEL_TITLES, build_model, make_batch

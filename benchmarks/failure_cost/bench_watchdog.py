@@ -3,8 +3,8 @@
 
 Usage::
 
-    python benchmarks/bench_watchdog.py            # ~2-4 min on 2 CPU cores
-    python benchmarks/bench_watchdog.py --quick    # smoke run, under a minute
+    python benchmarks/failure_cost/bench_watchdog.py            # ~2-4 min on 2 CPU cores
+    python benchmarks/failure_cost/bench_watchdog.py --quick    # smoke run, under a minute
 
 One TCPStore on loopback (this process serves it), hundreds of simulated
 ranks as threads with a connection each (benchlib/store_sim.py), the
@@ -30,13 +30,16 @@ default ``stall_timeout`` of 60 s. Writes ``<out>/watchdog_scale.json`` and
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 
 import numpy as np
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib import store_sim
 from benchlib.report import RESULTS_DIR, finish_report, run_env
 from local_ranks import free_port

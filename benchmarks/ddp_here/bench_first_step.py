@@ -3,8 +3,8 @@
 
 Usage::
 
-    python benchmarks/bench_first_step.py            # ~2 min on 2 idle CPU cores
-    python benchmarks/bench_first_step.py --quick    # smoke run, ~1 min
+    python benchmarks/ddp_here/bench_first_step.py            # ~2 min on 2 idle CPU cores
+    python benchmarks/ddp_here/bench_first_step.py --quick    # smoke run, ~1 min
 
 One launch, 2 ranks on loopback, gloo, one intra-op thread per rank. Per
 model (``small``: about 5k parameters; ``large``: 8 x Linear(1024, 1024),
@@ -31,6 +31,7 @@ noisy: read the medians.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, comma_choices, finish_report, run_env
 from benchlib.stats import summarize

@@ -3,9 +3,9 @@
 
 Usage (as root: the hosts are network namespaces)::
 
-    python benchmarks/bench_net.py                       # full run, both rates, ~6 min on 2 CPU cores
-    python benchmarks/bench_net.py --quick               # smoke run, 1gbit only, ~2-3 min, to /tmp/bench_net_quick
-    python benchmarks/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
+    python benchmarks/ddp_on_a_link/bench_net.py                       # full run, both rates, ~6 min on 2 CPU cores
+    python benchmarks/ddp_on_a_link/bench_net.py --quick               # smoke run, 1gbit only, ~2-3 min, to /tmp/bench_net_quick
+    python benchmarks/ddp_on_a_link/bench_net.py --rates 10gbit --models mlp --rounds 6 --out /tmp/net
 
 For each link rate, ``benchlib.hosts.launch_on_hosts`` makes two hosts
 (``hostnet``, in tools/: network namespaces joined by a veth pair whose
@@ -29,8 +29,6 @@ side by side in interleaved rounds (``benchlib.rounds.run_rounds``):
 - ``fwd_ar_opt``: a forward, ONE all-reduce of all the gradient bytes and
   the optimizer step, on its own model copy (the transfer with nothing
   hidden under it);
-- with ``--extra-caps 4,8``: ``ours_cap4``, ``ours_cap8``, ``replicate()``
-  with ``bucket_cap_mb`` 4 and 8 (what smaller buckets buy; off by default).
 
 Floors (per model and rate): ``S`` = ``replicate.state(m).reducer.wire_bytes()``,
 the bytes per rank one step hands to all-reduce. A ring all-reduce on 2
@@ -69,6 +67,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.engines import Engine, build_engine
 from benchlib.hosts import hosts_available, launch_on_hosts
 from benchlib.models import GPT_SETTINGS, MODEL_NAMES, MODEL_TITLES, build_model, loss_of, make_batch
@@ -173,13 +172,8 @@ def ddp_bf16_compress_hook(process_group, bucket):
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def cap_engine(cap_mb: float) -> str:
-    """The name of the ``ours`` engine with ``bucket_cap_mb=cap_mb``."""
-    return f"ours_cap{cap_mb:g}"
-
-
-def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
-    """Every engine of ``ENGINES`` on its own model copy (same init), then one per extra bucket cap.
+def build_engines(model_name: str) -> dict[str, Any]:
+    """Every engine of ``ENGINES`` on its own model copy (same init).
 
     ``fwd`` shares ``local``'s model.
     """
@@ -197,12 +191,7 @@ def build_engines(model_name: str, extra_caps: list[float]) -> dict[str, Any]:
     engines["ours_bf16"] = Engine("ours_bf16", model_name, replicate(raw, reduce_dtype=torch.bfloat16), raw)
     engines["allreduce"] = AllReduceOnly(engines["ours"].reducer.wire_bytes())
     engines["fwd_ar_opt"] = ForwardAllReduceStep(model_name)
-    ordered = {kind: engines[kind] for kind in ENGINES}
-    for cap in extra_caps:
-        torch.manual_seed(0)
-        raw = build_model(model_name)
-        ordered[cap_engine(cap)] = Engine(cap_engine(cap), model_name, replicate(raw, bucket_cap_mb=cap), raw)
-    return ordered
+    return {kind: engines[kind] for kind in ENGINES}
 
 
 # --------------------------------------------------------------------------
@@ -216,7 +205,7 @@ def timing_worker(cfg: dict) -> dict:
     for model_name in cfg["models"]:
         started = time.time()
         batch = make_batch(model_name, rank)
-        engines = build_engines(model_name, cfg["extra_caps"])
+        engines = build_engines(model_name)
         ours = engines["ours"]
         every = max(1, cfg["rounds"] // 4)
 
@@ -237,7 +226,7 @@ def timing_worker(cfg: dict) -> dict:
             "ddp_bf16_payload": sum(p.numel() * 2 for p in ours.raw.parameters()),
         }
         model_out["timeline"] = {}
-        for kind in TRACED + tuple(cap_engine(cap) for cap in cfg["extra_caps"]):
+        for kind in TRACED:
             records = trace_steps(engines[kind], batch, cfg["trace_steps"])
             model_out["timeline"][kind] = summarize_trace(records, bucket_wire_bytes(engines[kind]), rate_bps)
         del engines, ours
@@ -252,12 +241,10 @@ def timing_worker(cfg: dict) -> dict:
 # aggregation (parent)
 
 
-def aggregate(rank_outputs: list[dict], rate: str, extra_caps: list[float]) -> dict:
+def aggregate(rank_outputs: list[dict], rate: str) -> dict:
     """``aggregate_timing`` plus, per model, the floors, the ratios to them and every rank's timeline."""
     rate_bps = parse_rate(rate)
-    extras = [cap_engine(cap) for cap in extra_caps]
-    pairs = list(RATIO_PAIRS) + [(name, other) for name in extras for other in ("ours", "ddp", "ddp_gbv")]
-    models = aggregate_timing(rank_outputs, pairs)
+    models = aggregate_timing(rank_outputs, list(RATIO_PAIRS))
     for model_name, result in models.items():
         m0 = rank_outputs[0]["models"][model_name]
         engines = result["engines"]
@@ -271,14 +258,14 @@ def aggregate(rank_outputs: list[dict], rate: str, extra_caps: list[float]) -> d
                 "comm_ms": comm_ms,
                 "floor_ms": statistics.median(fwd_rounds) + comm_ms,
             }
-            fp32_kinds = ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate", *extras)
+            fp32_kinds = ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate")
             for kind in fp32_kinds if precision == "fp32" else ("ours_bf16", "ddp_bf16"):
                 per = [e / (f + comm_ms) for e, f in zip(engines[kind]["per_round_ms"], fwd_rounds)]
                 result["ratios"][f"{kind}/floor"] = {**summarize(per), "per_round": per}
         # the measured floor: per round, the longer of the local step and fwd + one all-reduce + optimizer
         measured = [max(a, b) for a, b in zip(engines["local"]["per_round_ms"], engines["fwd_ar_opt"]["per_round_ms"])]
         floors["measured_ms"] = statistics.median(measured)
-        for kind in ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate", *extras):
+        for kind in ("ours", "ours_tuned", "ddp", "ddp_gbv", "torch_replicate"):
             per = [e / f for e, f in zip(engines[kind]["per_round_ms"], measured)]
             result["ratios"][f"{kind}/measured_floor"] = {**summarize(per), "per_round": per}
         result["floors"] = floors
@@ -354,7 +341,7 @@ def markdown_tables(report: dict) -> str:
         rate_bps = m["floors"]["rate_bps"]
         timeline = m["timeline"].get("rank0", {})
         gbv = timeline.get("ddp_gbv", {})
-        for kind in ("ours", "ours_bf16", *(cap_engine(cap) for cap in report["config"]["extra_caps"])):
+        for kind in ("ours", "ours_bf16"):
             t = timeline.get(kind, {})
             if "launch_ms" not in t:
                 continue
@@ -372,29 +359,7 @@ def markdown_tables(report: dict) -> str:
                 f"| {t['step_ms'] - last_done:.1f} "
                 f"| {gbv.get('backward_return_ms', float('nan')):.1f} / {gbv.get('step_ms', float('nan')):.1f} |"
             )
-    if report["config"]["extra_caps"]:
-        lines += [""] + _caps_table(report, rows)
     return "\n".join(lines) + "\n"
-
-
-def _caps_table(report: dict, rows: list[tuple[str, str, dict]]) -> list[str]:
-    lines = [
-        "**Smaller buckets** (ours with `bucket_cap_mb` = N, same rounds; ratios = median of per-round ratios [IQR] (min-max))",
-        "",
-        "| model | rate | engine | buckets | step ms | / ours | / DDP | / DDP-gbv | / floor |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for rate, name, m in rows:
-        r = m["ratios"]
-        for cap in report["config"]["extra_caps"]:
-            kind = cap_engine(cap)
-            buckets = m["timeline"].get("rank0", {}).get(kind, {}).get("num_buckets", "?")
-            lines.append(
-                f"| {MODEL_TITLES.get(name, name)} | {rate} | {kind} | {buckets} | {_ms(m['engines'], kind)} "
-                f"| {fmt_ratio(r.get(f'{kind}/ours'))} | {fmt_ratio(r.get(f'{kind}/ddp'))} "
-                f"| {fmt_ratio(r.get(f'{kind}/ddp_gbv'))} | {fmt_ratio(r.get(f'{kind}/floor'))} |"
-            )
-    return lines
 
 
 def _ms(engines: dict, kind: str) -> str:
@@ -403,51 +368,6 @@ def _ms(engines: dict, kind: str) -> str:
 
 def _med(ratio: Optional[dict]) -> str:
     return f"{ratio['median']:.3f}" if ratio else "n/a"
-
-
-def plot(report: dict, path: str) -> None:
-    """Step time bars of every engine per model and rate, with the compute, comm and floor lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = list(report["rates"])
-    models = list(next(iter(report["rates"].values())))
-    extras = tuple(cap_engine(cap) for cap in report["config"]["extra_caps"])
-    shown = ("local", "allreduce", "ddp", "ddp_gbv", "ours", "ddp_bf16", "ours_bf16") + extras
-    colors = ("tab:gray", "tab:olive", "tab:red", "tab:orange", "tab:blue", "tab:pink", "tab:cyan") + (
-        "tab:green",
-    ) * len(extras)
-    fig, axes = plt.subplots(len(models), len(rates), figsize=(4.8 * len(rates), 3.2 * len(models)), squeeze=False)
-    for col, rate in enumerate(rates):
-        for row, name in enumerate(models):
-            ax = axes[row][col]
-            m = report["rates"][rate].get(name)
-            if m is None:
-                ax.set_visible(False)
-                continue
-            e, f = m["engines"], m["floors"]
-            values = [e[k]["step_ms"]["median"] for k in shown]
-            errors = [
-                [e[k]["step_ms"]["median"] - e[k]["step_ms"]["q1"] for k in shown],
-                [e[k]["step_ms"]["q3"] - e[k]["step_ms"]["median"] for k in shown],
-            ]
-            ax.bar(range(len(shown)), values, color=colors, yerr=errors, capsize=2)
-            ax.set_xticks(range(len(shown)), [k.replace("_", "\n") for k in shown], fontsize=7)
-            ax.axhline(f["fp32"]["floor_ms"], color="black", lw=1.2, label="floor fp32 (fwd + comm)")
-            ax.axhline(f["fp32"]["comm_ms"], color="black", lw=1, ls=":", label="comm fp32 (S / rate)")
-            ax.axhline(f["bf16"]["floor_ms"], color="tab:purple", lw=1, ls="--", label="floor bf16")
-            ax.axhline(e["local"]["step_ms"]["median"], color="tab:gray", lw=1, ls="-.", label="compute (local)")
-            ax.set_title(f"{MODEL_TITLES.get(name, name)} @ {rate}", fontsize=8)
-            ax.set_ylabel("step ms", fontsize=8)
-            ax.tick_params(axis="y", labelsize=7)
-            if row == 0 and col == 0:
-                ax.legend(fontsize=6)
-    fig.suptitle("Two hosts (hostnet), gloo, 1 rank x 1 thread each:\nstep time (median, IQR) vs floors", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------
@@ -471,11 +391,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per engine (default 4; quick 2)")
     parser.add_argument("--trace-steps", type=int, default=None, help="traced steps per engine (default 5; quick 3)")
-    parser.add_argument(
-        "--extra-caps",
-        default="",
-        help="comma list of bucket_cap_mb values: an extra ours engine for each (default none)",
-    )
     parser.add_argument("--quick", action="store_true", help="short smoke run (1gbit, 3 rounds; ~2-3 min)")
     parser.add_argument(
         "--out", default=None, help="output folder (default benchmarks/results; quick: /tmp/bench_net_quick)"
@@ -492,10 +407,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             parse_rate(rate)
         except ValueError as error:
             parser.error(str(error))
-    try:
-        extra_caps = [float(c) for c in args.extra_caps.split(",") if c]
-    except ValueError:
-        parser.error(f"--extra-caps={args.extra_caps!r}: give numbers of MiB, e.g. 4,8")
     out_dir = args.out or (os.path.join(tempfile.gettempdir(), "bench_net_quick") if quick else RESULTS_DIR)
     ok, why = hosts_available()
     if not ok:
@@ -509,7 +420,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         "block_s": args.block_s or (0.1 if quick else 0.25),
         "warmup": args.warmup or (2 if quick else 4),
         "trace_steps": args.trace_steps or (3 if quick else 5),
-        "extra_caps": extra_caps,
     }
     load = os.getloadavg()
     print(f"[net] load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min)", flush=True)
@@ -528,12 +438,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"timing at {rate}", timing_worker, {**cfg, "rate": rate}, rate=rate, timeout_s=args.timeout, tag="net"
         )
         rank_file = outs[0].get("torchreplicate_file")
-        report["rates"][rate] = aggregate(outs, rate, extra_caps)
+        report["rates"][rate] = aggregate(outs, rate)
     report["method"] = METHOD
     finish_report(
         report, started, rank_file or report["env"]["torchreplicate_file"], markdown_tables, out_dir, args.name
     )
     try:
+        from net_plot import plot  # beside this script (the ranks, started from benchmarks/, never plot)
+
         plot(report, os.path.join(out_dir, f"{args.name}.png"))
         print(f"[net] wrote {os.path.join(out_dir, f'{args.name}.png')}")
     except Exception as error:  # the plot is optional

@@ -3,9 +3,9 @@
 
 Usage::
 
-    python benchmarks/bench_ddp.py                 # full run, ~5 min on 2 CPU cores
-    python benchmarks/bench_ddp.py --quick         # smoke run, ~1.5 min
-    python benchmarks/bench_ddp.py --rounds 30 --models mlp,small --out /tmp/res
+    python benchmarks/ddp_here/bench_ddp.py                 # full run, ~5 min on 2 CPU cores
+    python benchmarks/ddp_here/bench_ddp.py --quick         # smoke run, ~1.5 min
+    python benchmarks/ddp_here/bench_ddp.py --rounds 30 --models mlp,small --out /tmp/res
 
 Phases (each a separate ``launch`` of fresh processes (tests/local_ranks.py), gloo,
 one intra-op thread per rank):
@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: benchlib
 from benchlib.breakdown import measure_breakdown
 from benchlib.breakdown_table import breakdown_table, breakdown_warnings
 from benchlib.collectives import count_all_reduces
