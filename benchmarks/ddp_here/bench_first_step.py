@@ -48,6 +48,7 @@ from benchlib.ranks import init_rank, launch_phase, rank_record
 from benchlib.report import RESULTS_DIR, comma_choices, finish_report, run_env
 from benchlib.stats import summarize
 from torchreplicate import replicate
+from torchreplicate.faults.wire import Watch
 from torchreplicate.reducer.layout import policy as tuning  # where the reducer looks measure_link up
 
 MODELS = ("small", "large")
@@ -166,7 +167,7 @@ def compare_caps(budgets: dict[str, int], rounds: int) -> dict[str, list[int]]:
     caps: dict[str, list[int]] = {name: [] for name in budgets}
     for _ in range(rounds):
         for name, budget in budgets.items():
-            link = tuning.measure_link(dist.group.WORLD, torch.float32, torch.device("cpu"), budget)
+            link = tuning.measure_link(dist.group.WORLD, torch.float32, torch.device("cpu"), budget, Watch())
             caps[name].append(tuning.choose_cap(link))
     return caps
 

@@ -22,7 +22,7 @@ torchtitan does) is split at our buckets' cap.
 ``torch._dynamo.config.optimize_ddp = False`` turns the split off, as for
 DDP.
 
-Measured (benchmarks/bench_compile.py, 8 x Linear(1024), 8 buckets, two
+Measured (benchmarks/ddp_compiled/bench_compile.py, 8 x Linear(1024), 8 buckets, two
 hosts at 5 Gbit/s): see docs/performance.md, "torch.compile".
 
 Under compiled autograd the gradient hooks are traced into the backward

@@ -20,7 +20,7 @@ ask at the same moment against the one store, so the roll call is done once:
 
 A survivor replaces its own entry with where it is now. Measured and
 modelled against the earlier protocol (every survivor read every counter
-twice) in benchmarks/bench_watchdog.py.
+twice) in benchmarks/failure_cost/bench_watchdog.py.
 """
 
 from __future__ import annotations

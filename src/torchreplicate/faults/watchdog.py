@@ -60,7 +60,7 @@ measures durations with its own clock.
 The period is a sixth of the stall timeout, between 0.2 and 1.5 s, so a
 peer on another host is named within 3 s; at more than 600 ranks it grows
 with the world size, so that the heartbeats stay under 400 a second (1% of
-what one TCPStore served on a loaded 2-core machine, benchmarks/bench_watchdog.py).
+what one TCPStore served on a loaded 2-core machine, benchmarks/failure_cost/bench_watchdog.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ With no observer and no profiler, a point costs one or two attribute
 checks and the watch's note (a few attribute writes). The gradient hook, once per parameter per step, checks the
 observer inline (``probe.events``) instead of calling ``grad``. Every
 event is one call, one clock read and a store (timeline.py); measured in
-benchmarks/bench_observe.py.
+benchmarks/option_cost/bench_observe.py.
 """
 
 from __future__ import annotations
