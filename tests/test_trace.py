@@ -28,6 +28,7 @@ from torchreplicate.observe import timeline
 from torchreplicate.observe.summary import summarize
 from torchreplicate.observe.timeline import StepRecorder
 from torchreplicate.observe.trace_format import chrome_trace, rank_events
+from torchreplicate.reducer.probe import StepEvent as E
 
 
 def _net() -> nn.Module:
@@ -41,20 +42,20 @@ def test_recorder_builds_one_record_per_step():
     recorder = StepRecorder()
     records = []
     recorder.subscribers.append(records.append)
-    recorder.replan(3)
-    recorder.backward(3)
-    recorder.grad(0)
-    recorder.grad(0)  # only the first gradient of a bucket is timed
-    recorder.launch(0, True)
-    recorder.grad(1)
-    recorder.finalize(3)
-    recorder.launch(1, False)
+    recorder(E.REPLAN, 3, 0)
+    recorder(E.BACKWARD, 3, 0)
+    recorder(E.GRAD, 0, 0)
+    recorder(E.GRAD, 0, 0)  # only the first gradient of a bucket is timed
+    recorder(E.LAUNCH, 0, 1)
+    recorder(E.GRAD, 1, 0)
+    recorder(E.FINALIZE, 3, 0)
+    recorder(E.LAUNCH, 1, 0)
     for bucket in (0, 1):
-        recorder.waiting(bucket)
-        recorder.done(bucket)
-    recorder.late_round(True)
-    recorder.late_round(False)
-    recorder.step_end(3, 1234)
+        recorder(E.WAITING, bucket, 0)
+        recorder(E.DONE, bucket, 0)
+    recorder(E.LATE_ROUND, 1, 0)
+    recorder(E.LATE_ROUND, 0, 0)
+    recorder(E.STEP_END, 3, 1234)
     (record,) = records
     assert record.step == 3 and record.wire_bytes == 1234 and record.replan_ns is not None
     b0, b1 = record.buckets
@@ -63,9 +64,9 @@ def test_recorder_builds_one_record_per_step():
     assert b0.first_grad_ns <= b0.launch_ns < b0.done_ns <= record.end_ns
     assert len(record.late_rounds) == 1
     assert record.exposed_ns == b0.exposed_ns + b1.exposed_ns + (record.late_rounds[0][1] - record.late_rounds[0][0])
-    recorder.backward(4)  # the next step starts clean, without the re-plan
-    recorder.finalize(4)
-    recorder.step_end(4, 0)
+    recorder(E.BACKWARD, 4, 0)  # the next step starts clean, without the re-plan
+    recorder(E.FINALIZE, 4, 0)
+    recorder(E.STEP_END, 4, 0)
     assert records[1].replan_ns is None and records[1].buckets == ()
 
 
@@ -89,12 +90,12 @@ def test_on_a_device_each_record_comes_at_the_next_steps_end_and_flush_brings_th
     records = []
     recorder.subscribers.append(records.append)
     for step in range(3):
-        recorder.backward(step)
-        recorder.launch(0, True)
-        recorder.finalize(step)
-        recorder.waiting(0)
-        recorder.done(0)
-        recorder.step_end(step, 8)
+        recorder(E.BACKWARD, step, 0)
+        recorder(E.LAUNCH, 0, 1)
+        recorder(E.FINALIZE, step, 0)
+        recorder(E.WAITING, 0, 0)
+        recorder(E.DONE, 0, 0)
+        recorder(E.STEP_END, step, 8)
         assert [r.step for r in records] == list(range(step)), "one step late, in order"
     assert clock.resolved == 2 * 6, "only delivered steps read their marks (6 each)"
     recorder.flush()

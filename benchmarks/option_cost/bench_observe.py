@@ -12,7 +12,7 @@ its own model copy (same init, default options) with its own SGD, timed in
 interleaved rounds as in ``bench_ddp.py`` (``benchlib.rounds.run_rounds``):
 
 - ``off``: nothing attached (the default): one attribute check per event point;
-- ``null``: ``replicate.state(m).set_events(NullEvents())``, an observer whose
+- ``null``: ``replicate.state(m).set_events(null_events)``, an observer whose
   methods do nothing: the cost of the calls alone;
 - ``summary``: ``torchreplicate.log_summary(m, every=100)`` (the recorder,
   plus one small all-reduce every 100th step).
@@ -55,6 +55,7 @@ from benchlib.rounds import ROUNDS_METHOD, run_rounds
 from benchlib.stats import aggregate_timing, fmt_ratio, per_round_ratios
 from torchreplicate import log_summary, replicate, trace, verify_replicas
 from torchreplicate.observe.timeline import StepRecorder
+from torchreplicate.reducer.probe import StepEvent as E
 
 MODELS = ("mlp", "small")
 ENGINES = ("off", "null", "summary")  # interleaved in one round
@@ -62,18 +63,8 @@ KINDS = (*ENGINES, "untraced", "trace")  # and the trace rounds' two
 PAIRS = (("null", "off"), ("summary", "off"), ("trace", "untraced"))
 
 
-class NullEvents:
-    """A step observer that does nothing (events.StepEvents)."""
-
-    def backward(self, step: int) -> None: ...
-    def grad(self, bucket: int) -> None: ...
-    def launch(self, bucket: int, from_hook: bool) -> None: ...
-    def finalize(self, step: int) -> None: ...
-    def waiting(self, bucket: int) -> None: ...
-    def done(self, bucket: int) -> None: ...
-    def late_round(self, started: bool) -> None: ...
-    def step_end(self, step: int, wire_bytes: int) -> None: ...
-    def replan(self, step: int) -> None: ...
+def null_events(event: E, a: int, b: int) -> None:
+    """A step observer that does nothing (reducer/probe.py's StepObserver): the cost of the calls alone."""
 
 
 def timing_worker(cfg: dict) -> dict:
@@ -88,7 +79,7 @@ def timing_worker(cfg: dict) -> dict:
             raw = build_model(model_name)
             engines[kind] = Engine(kind, model_name, replicate(raw), raw)
         if "null" in engines:
-            replicate.state(engines["null"].module).set_events(NullEvents())
+            replicate.state(engines["null"].module).set_events(null_events)
         summary = log_summary(engines["summary"].module, every=100) if "summary" in engines else None
         timed = run_rounds(engines, batch, cfg)
         if summary is not None:
@@ -156,18 +147,18 @@ def recorder_ns_per_step(bucket_sizes: list[int], repeats: int = 2000) -> float:
         kept.clear()
         t0 = time.perf_counter_ns()
         for step in range(repeats):
-            recorder.backward(step)
+            recorder(E.BACKWARD, step, 0)
             for index, size in enumerate(bucket_sizes):
                 for _ in range(size):
-                    recorder.grad(index)
+                    recorder(E.GRAD, index, 0)
                 if index < len(bucket_sizes) - 1:
-                    recorder.launch(index, True)
-            recorder.finalize(step)
-            recorder.launch(len(bucket_sizes) - 1, False)
+                    recorder(E.LAUNCH, index, 1)
+            recorder(E.FINALIZE, step, 0)
+            recorder(E.LAUNCH, len(bucket_sizes) - 1, 0)
             for index in range(len(bucket_sizes)):
-                recorder.waiting(index)
-                recorder.done(index)
-            recorder.step_end(step, 0)
+                recorder(E.WAITING, index, 0)
+                recorder(E.DONE, index, 0)
+            recorder(E.STEP_END, step, 0)
         best = min(best, (time.perf_counter_ns() - t0) / repeats)
     return best
 

@@ -166,7 +166,8 @@ class BufferSync:
         if self.sent:
             assert self._group is not None
             with self.watch.diagnosing(before="the buffer broadcast"):
-                self.staged = StagedBuffers(values_of(self.refs), self._group.get(), self._held)
+                group = self._group() or self._group.get()  # the weak reference's call; get() raises
+                self.staged = StagedBuffers(values_of(self.refs), group, self._held)
 
     @property
     def watch(self) -> Watch:
@@ -211,7 +212,7 @@ class StagedBuffers:
                     if self.source
                     else torch.empty(_packed(members), dtype=torch.uint8, device=members[0].device)
                 )
-                held.hold(broadcast(flat, group))
+                broadcast(flat, group, held=held)
                 self.chunks.append((flat, members))
 
     @torch.no_grad()

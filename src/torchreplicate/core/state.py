@@ -47,7 +47,7 @@ from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch, TrainingSta
 from torchreplicate.reducer.comm_hooks import check_hook_options
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.flags import TrainingClock
-from torchreplicate.reducer.probe import Probe, StepEvents, labelled
+from torchreplicate.reducer.probe import Probe, StepEvent, StepObserver
 from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, HookReduction, Reduction
 from torchreplicate.torch_internals import (
@@ -212,12 +212,13 @@ class ReplicateState:
             self.tied = None
 
     @property
-    def events(self) -> Optional[StepEvents]:
+    def events(self) -> Optional[StepObserver]:
         """The observer of every step's timeline (``set_events``), or None."""
         return self.probe.events
 
-    def set_events(self, events: Optional[StepEvents]) -> None:
-        """Attaches an observer of every step's timeline (probe.py's ``StepEvents``), or detaches it (None).
+    def set_events(self, events: Optional[StepObserver]) -> None:
+        """Attaches an observer of every step's timeline, or detaches it (None): ``events(event, a, b)`` is
+        called with probe.py's ``StepEvent`` and the two ints it says, at every point of every step.
 
         It stays attached across re-plans.
         """
@@ -323,7 +324,7 @@ class ReplicateState:
         self.probe.at(Place(TrainingState.FORWARD, step, collective=Collective.REPLAN), change)
         with self.probe.watch.diagnosing():
             self.install(plan, new_tensors(self.plan, plan, self.buffer_sync.at_set_up))
-        self.probe.replanned(step)  # back at the forward's place
+        self.probe.emit(StepEvent.REPLAN, step)  # back at the forward's place
 
     def _lazy_materialised(self, module: nn.Module) -> None:
         # A lazy module materialised in a forward with gradients: planned from now on.
@@ -401,27 +402,27 @@ class ReplicateState:
     # -- the forward hooks ----------------------------------------------------
 
     @torch.compiler.disable  # eager under torch.compile, as FSDP2's hooks: collectives, Python state
-    @labelled("pre_forward")
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
         # Before every forward of the root; returns moved or cast inputs, or None to keep them.
         # the DDP whose forward runs around this one; dynamo splits at our buckets ([Note: compiled backward ...])
-        held, ddp, traced = self._swap_active_ddp_module(self.bucket_cap)
-        self.bucket_cap.outer = self.bucket_cap.outer if held is self.bucket_cap else held  # (re-entered)
-        if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
-            raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
-        if self.nested:
-            pass  # the enclosing replicated module does this work
-        elif torch.is_grad_enabled():
-            self._sync_before_forward(traced)
-        else:
-            self.buffer_sync.before(False)  # no collective: rank 0's staged buffers, where due ([Note: buffer sync])
-        moved = None
-        if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
-            moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
-        if self.mixed is None or self.nested:
-            return moved
-        cast = self.mixed.cast_inputs_of((args, kwargs))
-        return moved if cast is None else (cast[0], cast[1])
+        with self.probe.span("pre_forward"):  # a profiler's label, while one records
+            held, ddp, traced = swap_active_ddp_module(self.bucket_cap)
+            self.bucket_cap.outer = self.bucket_cap.outer if held is self.bucket_cap else held  # (re-entered)
+            if ddp is not None and ddp_reduces_any(ddp, self.params):  # every rank runs DDP: every rank raises
+                raise ddp_on_top_error(class_name(self.module), class_name(ddp.module), dist.get_rank())
+            if self.nested:
+                pass  # the enclosing replicated module does this work
+            elif torch.is_grad_enabled():
+                self._sync_before_forward(traced)
+            else:
+                self.buffer_sync.before(False)  # no collective: rank 0's buffers sent ahead, where due
+            moved = None
+            if self.input_device is not None:  # as DDP with device_ids: the inputs go to the module's device
+                moved = args, kwargs = moved_to(self.input_device, (args, kwargs))
+            if self.mixed is None or self.nested:
+                return moved
+            cast = self.mixed.cast_inputs_of((args, kwargs))
+            return moved if cast is None else (cast[0], cast[1])
 
     def _sync_before_forward(self, traced: bool) -> None:
         # What every rank does together before a forward with gradients
@@ -455,15 +456,10 @@ class ReplicateState:
     @torch.compiler.disable
     def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         # After every forward of the root, one that raised too: DDP's attribute as it was ([Note: compiled ...]).
-        self._swap_active_ddp_module(self.bucket_cap.outer)
+        swap_active_ddp_module(self.bucket_cap.outer)
         self.bucket_cap.outer = None
         if self.lifecycle.now is TrainingState.FORWARD:  # the forward raised: _post_forward never ran
             self._end_raised_forward(sys.exc_info()[1])
-
-    @staticmethod
-    def _swap_active_ddp_module(value: Any) -> tuple[Any, Any, bool]:
-        # Both ends of every forward set DDP's class attribute here ([Note: compiled backward ...]).
-        return swap_active_ddp_module(value)
 
     def _end_raised_forward(self, error: Optional[BaseException]) -> None:
         # A forward that raised here, after the forward's own collectives ([Note: a backward that raised]
@@ -477,24 +473,24 @@ class ReplicateState:
             self.reducer.end_raised_forward(describe_error(error) if error is not None else "an exception")
 
     @torch.compiler.disable  # the outputs get real (eager) hooks
-    @labelled("post_forward")
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # After every forward of the root; returns the (cast) output.
-        lifecycle = self.lifecycle
-        if lifecycle.now is TrainingState.FORWARD:
-            lifecycle.now = TrainingState.IDLE
-        elif lifecycle.now is TrainingState.NESTED:
-            return output  # nested replicate: the enclosing module does this work
-        self.buffer_sync.after(torch.is_grad_enabled(), self.sync.on, self.joining)  # [Note: buffer sync]
-        if self.mixed is not None:
-            output = self.mixed.cast_output(output)
-        reducer = self.reducer
-        if reducer is None or not torch.is_grad_enabled():
+        with self.probe.span("post_forward"):  # a profiler's label, while one records
+            lifecycle = self.lifecycle
+            if lifecycle.now is TrainingState.FORWARD:
+                lifecycle.now = TrainingState.IDLE
+            elif lifecycle.now is TrainingState.NESTED:
+                return output  # nested replicate: the enclosing module does this work
+            self.buffer_sync.after(torch.is_grad_enabled(), self.sync.on, self.joining)  # [Note: buffer sync]
+            if self.mixed is not None:
+                output = self.mixed.cast_output(output)
+            reducer = self.reducer
+            if reducer is None or not torch.is_grad_enabled():
+                return output
+            for tensor in tensors_in(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(_OutputGradHook(reducer))
             return output
-        for tensor in tensors_in(output):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(_OutputGradHook(reducer))
-        return output
 
 
 class _OutputGradHook:

@@ -49,8 +49,9 @@ from torchreplicate.faults.place import Place
 from torchreplicate.lifecycle import TrainingState
 
 
-class WeakGroup:
-    """A process group held weakly.
+class WeakGroup(weakref.ref["dist.ProcessGroup"]):
+    """A process group held weakly: calling it returns the group or None (a C call, no Python frame, on
+    the step's hot path: ``weak() or weak.get()``); ``get()`` returns it or raises.
 
     ``destroy_process_group()`` frees a group only when nothing else holds
     it. A model (often alive until interpreter exit) that held its group
@@ -63,15 +64,14 @@ class WeakGroup:
         group: the process group.
     """
 
-    __slots__ = ("_ref", "name")
+    __slots__ = ("name",)
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._ref = weakref.ref(group)
+    def __init__(self, group: dist.ProcessGroup) -> None:  # weakref.ref's __new__ took the group
         self.name = group.group_name  # how traced code names it ([Note: compiled autograd])
 
     def get(self) -> dist.ProcessGroup:
         """The group; RuntimeError if it was destroyed."""
-        group = self._ref()
+        group = self()
         if group is None:
             raise RuntimeError(
                 "replicate(): the module's process group was destroyed "
@@ -227,10 +227,16 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: Any = dist
     return cast(dist.Work, dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
-def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, src_rank: int = 0) -> dist.Work:
-    """Launches a broadcast of ``tensor`` from group rank ``src_rank``; returns its work, not waited."""
+def broadcast(
+    tensor: torch.Tensor, group: dist.ProcessGroup, src_rank: int = 0, held: Optional[HeldWorks] = None
+) -> dist.Work:
+    """Launches a broadcast of ``tensor`` from group rank ``src_rank``; returns its work, not waited
+    (``held``: keeps it past the step, for the next release: [Note: works kept past a step])."""
     src = dist.get_global_rank(group, src_rank)
-    return cast(dist.Work, dist.broadcast(tensor, src=src, group=group, async_op=True))
+    work = cast(dist.Work, dist.broadcast(tensor, src=src, group=group, async_op=True))
+    if held is not None:
+        held.hold(work)
+    return work
 
 
 def all_gather(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:

@@ -1,6 +1,6 @@
 """The timeline of every synchronised backward, as plain records: what ``log_summary()`` and ``trace()`` read.
 
-``StepRecorder`` is a ``StepEvents`` observer (reducer/probe.py): the
+``StepRecorder`` is a ``StepObserver`` (reducer/probe.py): the
 module's probe calls it at the points of a step, it marks the time at each
 on its clock, and hands one ``StepRecord`` per step to its subscribers (the
 summary of summary.py, ``trace()``'s exposed communication per step, and
@@ -44,6 +44,7 @@ from torch import nn
 
 from torchreplicate.core.registry import get_state
 from torchreplicate.faults.wire import Watch
+from torchreplicate.reducer.probe import StepEvent
 
 Subscriber = Callable[["StepRecord"], None]
 
@@ -171,7 +172,7 @@ class StepRecord:
 
 
 class StepRecorder:
-    """The step observer (probe.py's ``StepEvents``) that turns the reducer's events into ``StepRecord``s.
+    """The step observer (probe.py's ``StepObserver``) that turns the reducer's events into ``StepRecord``s.
 
     Attach it with ``subscribe(model, fn)``, which shares one recorder per
     module; ``fn(record)`` runs at the end of every synchronised backward
@@ -199,52 +200,41 @@ class StepRecorder:
         self._late: list[Any] = []  # late round starts and ends, alternating
         self._replan_ns: Optional[Any] = None  # a re-plan before this step
 
-    # -- probe.StepEvents ----------------------------------------------------
+    # -- the observer (probe.py's StepObserver) --------------------------------
 
-    def backward(self, step: int) -> None:
-        """The synchronised backward of ``step`` started."""
-        self._backward_ns = self.clock.mark()
-        self._step = step
-        self._finalize_ns = 0
-        self._fresh()
+    def __call__(self, event: StepEvent, a: int, b: int) -> None:
+        """One point of a step (``StepEvent`` says what ``a`` and ``b`` are): a mark of the clock, kept."""
+        if event is StepEvent.GRAD:  # only the first gradient per bucket and step is timed
+            if a not in self._first_grad:
+                self._first_grad[a] = self.clock.mark()
+            return
+        mark = self.clock.mark()
+        if event is StepEvent.BACKWARD:
+            self._backward_ns, self._step, self._finalize_ns = mark, a, 0
+            self._fresh()
+        elif event is StepEvent.LAUNCH:
+            self._launch[a] = (mark, bool(b))
+        elif event is StepEvent.FINALIZE:
+            self._finalize_ns = mark
+        elif event is StepEvent.WAITING:
+            self._wait[a] = mark
+        elif event is StepEvent.DONE:
+            self._done[a] = mark
+        elif event is StepEvent.LATE_ROUND:
+            self._late.append(mark)
+        elif event is StepEvent.REPLAN:
+            self._replan_ns = mark
+        elif event is StepEvent.STEP_END:
+            self.step_end(a, b, mark)
 
     def _fresh(self) -> None:
         # New containers for a step's marks: a step handed to ``_pending`` keeps the old ones as they are.
         self._first_grad, self._launch, self._wait, self._done, self._late = {}, {}, {}, {}, []
 
-    def grad(self, bucket: int) -> None:
-        """A gradient was accumulated into ``bucket``; only the first one per step is timed."""
-        if bucket not in self._first_grad:
-            self._first_grad[bucket] = self.clock.mark()
-
-    def launch(self, bucket: int, from_hook: bool) -> None:
-        """``bucket``'s collective started."""
-        self._launch[bucket] = (self.clock.mark(), from_hook)
-
-    def finalize(self, step: int) -> None:
-        """The end-of-backward work started."""
-        self._finalize_ns = self.clock.mark()
-
-    def waiting(self, bucket: int) -> None:
-        """The end of backward started waiting for ``bucket``."""
-        self._wait[bucket] = self.clock.mark()
-
-    def done(self, bucket: int) -> None:
-        """``bucket``'s reduced gradients are in place."""
-        self._done[bucket] = self.clock.mark()
-
-    def late_round(self, started: bool) -> None:
-        """A late round started or ended."""
-        self._late.append(self.clock.mark())
-
-    def replan(self, step: int) -> None:
-        """The module re-planned before ``step``."""
-        self._replan_ns = self.clock.mark()
-
-    def step_end(self, step: int, wire_bytes: int) -> None:
-        """``step`` is complete: its marks wait for their record (built now on the host clock, at the
-        next step's end on a device), and every record due is handed to every subscriber."""
-        end = self.clock.mark()
+    def step_end(self, step: int, wire_bytes: int, end: Any) -> None:
+        """``step`` is complete (at the clock's mark ``end``): its marks wait for their record (built now on
+        the host clock, at the next step's end on a device), and every record due is handed to every
+        subscriber."""
         finalize = self._finalize_ns if self._finalize_ns else end
         backward = self._backward_ns if self._step == step else finalize
         marks = (step, backward, finalize, end, self._first_grad, self._launch, self._wait, self._done, self._late)

@@ -1,14 +1,16 @@
 """The one instrumentation interface of a step: where the reducer is, said once.
 
 At each point of a synchronised backward the reducer (and, before it, the
-forward hooks) makes one ``Probe`` call. The probe feeds the three listeners
-from that one call:
+forward hooks) makes one ``Probe`` call: ``emit(event, a, b)`` for what an
+observer hears (``StepEvent``), ``at(place)`` for where the rank is
+between them. The probe feeds the three listeners from that one call:
 
 - the module's watch, the note of where this rank is (a ``Place``): what a
   failing rank's error says about the others where the stall watchdog runs
   (watchdog.py), kept by the plain watch too (faults/wire.py);
-- an observer of the step's timeline (``StepEvents``; timeline.py's recorder
-  is the one ``log_summary()`` attaches), off by default;
+- an observer of the step's timeline (``StepObserver``: one callable that
+  takes the event and two ints; timeline.py's recorder is the one
+  ``log_summary()`` attaches), off by default;
 - the profiler: ``span(phase, bucket)`` runs a phase under
   ``record_function("torchreplicate::<phase> (bucket k)")`` while a torch
   profiler records, so a trace (``trace()`` runs one) shows each phase and
@@ -16,15 +18,17 @@ from that one call:
 
 [Note: observer cost]
 With no observer and no profiler, a point costs one or two attribute
-checks and the watch's note (a few attribute writes). The gradient hook, once per parameter per step, checks the
-observer inline (``probe.events``) instead of calling ``grad``. Every
-event is one call, one clock read and a store (timeline.py); measured in
+checks and the watch's note (a few attribute writes). The gradient hook,
+once per parameter per step, checks the observer inline (``probe.events``)
+instead of calling ``emit``. Every event is one call, one clock read and a
+store (timeline.py); measured in
 benchmarks/option_cost/bench_observe.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from dataclasses import dataclass
 from typing import (
@@ -35,7 +39,6 @@ from typing import (
     Iterator,
     NamedTuple,
     Optional,
-    Protocol,
     Sequence,
     TypeVar,
 )
@@ -43,7 +46,7 @@ from typing import (
 import torch
 from torch.autograd.profiler import record_function
 
-from torchreplicate.faults.place import Collective, Place
+from torchreplicate.faults.place import Place
 from torchreplicate.faults.wire import Watch
 from torchreplicate.lifecycle import TrainingState
 from torchreplicate.torch_internals import profiler_active
@@ -56,11 +59,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 PREFIX = "torchreplicate::"
 PHASES = ("pre_forward", "post_forward", "hook", "launch", "wait", "finalize", "late_round", "tied_rows")
 _NO_SPAN = contextlib.nullcontext()  # reusable: entering it does nothing
-
-
-def _recording() -> bool:
-    # Whether a profiler records: the one place this file asks torch_internals.py (whose name is private torch's).
-    return profiler_active()
 
 
 def label(phase: str, bucket: Optional[int] = None) -> str:
@@ -76,7 +74,7 @@ def labelled(phase: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _recording():
+            if not profiler_active():
                 return fn(*args, **kwargs)
             with record_function(name):
                 return fn(*args, **kwargs)
@@ -86,50 +84,42 @@ def labelled(phase: str) -> Callable[[F], F]:
     return decorate
 
 
-class StepEvents(Protocol):
-    """An observer of every synchronised backward; every argument is plain data.
+class StepEvent(enum.Enum):
+    """What a step's observer hears: ``observer(event, a, b)``, two ints whose meaning each member says.
 
-    Called in this order within one synchronised backward: ``backward`` once
-    (the first gradient hook or output hook of the backward), ``grad`` at
-    every accumulation into a slot of bucket ``b`` (so the first call per
-    bucket is its first gradient), ``launch`` when a bucket's collective
-    starts (``from_hook``: overlapped with backward, else from the end of
-    backward), ``finalize`` when the end-of-backward work starts,
-    ``waiting``/``done`` around each bucket's wait (the wait is exposed
-    communication), ``late_round`` around a late round, and ``step_end``
-    with the bytes the step put on the wire; ``replan`` between steps.
+    Within one synchronised backward, in this order: ``BACKWARD`` once (the
+    first gradient hook or output hook of the backward), ``GRAD`` at every
+    accumulation into a slot of a bucket (so the first per bucket is its
+    first gradient), ``LAUNCH`` when a bucket's collective starts,
+    ``FINALIZE`` when the end-of-backward work starts, ``WAITING`` and
+    ``DONE`` around each bucket's wait (the wait is exposed communication),
+    ``LATE_ROUND`` around a late round, and ``STEP_END``; ``REPLAN``
+    between steps.
     """
 
-    def backward(self, step: int) -> None:
-        """The synchronised backward of ``step`` started (its first hook ran)."""
+    BACKWARD = "backward"  # a: the step
+    GRAD = "grad"  # a: the bucket
+    LAUNCH = "launch"  # a: the bucket; b: 1 from a gradient hook (overlapped with backward), 0 from the end
+    FINALIZE = "finalize"  # a: the step
+    WAITING = "waiting"  # a: the bucket
+    DONE = "done"  # a: the bucket, whose reduced gradients are in place
+    LATE_ROUND = "late_round"  # a: 1 started, 0 ended
+    STEP_END = "step_end"  # a: the step, complete; b: the bytes it handed to collectives
+    REPLAN = "replan"  # a: the step the module re-planned before
 
-    def grad(self, bucket: int) -> None:
-        """A gradient was accumulated into a slot of ``bucket``."""
 
-    def launch(self, bucket: int, from_hook: bool) -> None:
-        """``bucket``'s collective was launched."""
+StepObserver = Callable[[StepEvent, int, int], None]  # an observer of every synchronised backward
 
-    def finalize(self, step: int) -> None:
-        """The end-of-backward work of ``step`` started."""
-
-    def waiting(self, bucket: int) -> None:
-        """The end of backward starts waiting for ``bucket``."""
-
-    def done(self, bucket: int) -> None:
-        """``bucket``'s reduced gradients are in place."""
-
-    def late_round(self, started: bool) -> None:
-        """A late round started (``started``) or ended."""
-
-    def step_end(self, step: int, wire_bytes: int) -> None:
-        """``step`` is complete; ``wire_bytes`` were handed to collectives."""
-
-    def replan(self, step: int) -> None:
-        """The module re-planned before ``step`` (state.py)."""
+# Where an event moves the rank, for the watch's note: (its TrainingState, the step's offset from ``a``)
+_MOVES = {
+    StepEvent.BACKWARD: (TrainingState.BACKWARD, 0),
+    StepEvent.STEP_END: (TrainingState.IDLE, 1),  # back in user code, before the next step
+    StepEvent.REPLAN: (TrainingState.FORWARD, 0),  # the forward goes on, outside our collectives again
+}
 
 
 class Probe:
-    """Where a replicated module's step is, for the watchdog, an observer and the profiler.
+    """Where a replicated module's step is, for the watch, an observer and the profiler.
 
     One per module, shared by its state and every reducer it builds, so an
     observer attached once stays attached across re-plans.
@@ -141,10 +131,10 @@ class Probe:
         # every host wait on a peer and where this rank is: the stall watchdog (watchdog.py), at world
         # size > 1 unless turned off, else a plain watch (faults/wire.py)
         self.watch = Watch()
-        self.events: Optional[StepEvents] = None  # an observer of every step's timeline, or None
+        self.events: Optional[StepObserver] = None  # an observer of every step's timeline, or None
 
     def at(self, place: Place, detail: str = "") -> None:
-        """This rank is at ``place`` (a forward, a re-plan, the flags' all-reduce, ...).
+        """This rank is at ``place`` (a forward, a re-plan, the flags' collective, ...).
 
         Args:
             place: where the rank is ([Note: stall watchdog] in watchdog.py).
@@ -153,15 +143,18 @@ class Probe:
         """
         self.watch.at(place, detail)
 
+    def emit(self, event: StepEvent, a: int = 0, b: int = 0) -> None:
+        """``event`` happened (``a``, ``b``: as ``StepEvent`` says): the watch's note where it moves the rank,
+        then the observer, if one is attached."""
+        move = _MOVES.get(event)
+        if move is not None:
+            self.watch.at(Place(move[0], a + move[1]))
+        if self.events is not None:
+            self.events(event, a, b)
+
     def span(self, phase: str, bucket: Optional[int] = None) -> ContextManager[Any]:
         """A context that labels ``phase`` (of ``bucket``) for the profiler while one records."""
-        return record_function(label(phase, bucket)) if _recording() else _NO_SPAN
-
-    def backward(self, step: int) -> None:
-        """The synchronised backward of ``step`` started."""
-        self.at(Place(TrainingState.BACKWARD, step))
-        if self.events is not None:
-            self.events.backward(step)
+        return record_function(label(phase, bucket)) if profiler_active() else _NO_SPAN
 
     @contextlib.contextmanager
     def launching(self, bucket: int, from_hook: bool) -> Iterator[None]:
@@ -169,42 +162,18 @@ class Probe:
         with self.span("launch", bucket):
             yield
         if self.events is not None:
-            self.events.launch(bucket, from_hook)
-
-    def finalize(self, step: int) -> None:
-        """The end-of-backward work of ``step`` (``Reducer._finalize``) started."""
-        if self.events is not None:
-            self.events.finalize(step)
+            self.events(StepEvent.LAUNCH, bucket, int(from_hook))
 
     @contextlib.contextmanager
     def waiting(self, bucket: int, what: str, step: int) -> Iterator[None]:
-        """Around the end of backward's wait for ``bucket`` (``what``: its parameters, for the watchdog)."""
-        self.at(Place(TrainingState.FINALIZING, step, bucket), what)
+        """Around the end of backward's wait for ``bucket`` (``what``: its parameters, for the watch's note)."""
+        self.watch.at(Place(TrainingState.FINALIZING, step, bucket), what)
         if self.events is not None:
-            self.events.waiting(bucket)
+            self.events(StepEvent.WAITING, bucket, 0)
         with self.span("wait", bucket):
             yield
         if self.events is not None:
-            self.events.done(bucket)
-
-    def late_round(self, started: bool, step: int) -> None:
-        """A late round of ``step`` started or ended."""
-        if started:
-            self.at(Place(TrainingState.FINALIZING, step, collective=Collective.LATE_ROUND))
-        if self.events is not None:
-            self.events.late_round(started)
-
-    def step_end(self, step: int, wire_bytes: int) -> None:
-        """``step`` is complete: the rank is back in user code, before ``step + 1``."""
-        self.at(Place(TrainingState.IDLE, step + 1))
-        if self.events is not None:
-            self.events.step_end(step, wire_bytes)
-
-    def replanned(self, step: int) -> None:
-        """The module re-planned before ``step``: the forward goes on, outside our collectives again."""
-        self.at(Place(TrainingState.FORWARD, step))
-        if self.events is not None:
-            self.events.replan(step)
+            self.events(StepEvent.DONE, bucket, 0)
 
 
 @dataclass(frozen=True)

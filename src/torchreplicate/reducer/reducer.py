@@ -116,7 +116,7 @@ from torchreplicate.reducer.bucket import (
 from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest, num_flags
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
-from torchreplicate.reducer.probe import Probe, ReducerInfo, labelled
+from torchreplicate.reducer.probe import Probe, ReducerInfo, StepEvent, labelled
 from torchreplicate.reducer.reduction import BucketTensors, Reduction
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
 from torchreplicate.reducer.sparse import SparseGrads
@@ -308,7 +308,7 @@ class Reducer:
         # IDLE, or FORWARD: a backward inside the root's forward (torch.autograd.grad there) is a step too
         if (lifecycle.now is TrainingState.IDLE or lifecycle.now is TrainingState.FORWARD) and self.sync.on:
             lifecycle.now = TrainingState.BACKWARD
-            self.probe.backward(self.num_steps)
+            self.probe.emit(StepEvent.BACKWARD, self.num_steps)
             end = self._finalize  # one bound method: the engine holds it until the backward ends
             self._end = weakref.ref(end)
             queue_end_of_backward_callback(end)
@@ -362,7 +362,7 @@ class Reducer:
             self.queue_finalize()
         bucket = slot.bucket
         if self.probe.events is not None:
-            self.probe.events.grad(bucket.index)
+            self.probe.events(StepEvent.GRAD, bucket.index, 0)
         if bucket.take(slot):
             self._launch_ready()
         elif bucket.launched:
@@ -425,7 +425,7 @@ class Reducer:
                         round_.reduce(inputs)
                 self.rounds_done = True
                 self._learn(self.first_ready, self.first_ready_ns, end_ns)
-                self.probe.step_end(self.num_steps - 1, self.wire_bytes(late=sums.any_late))
+                self.probe.emit(StepEvent.STEP_END, self.num_steps - 1, self.wire_bytes(late=sums.any_late))
                 if self.in_backward_optimizer_slots:
                     step_in_backward_optimizers(self.in_backward_optimizer_slots)  # every .grad is final now
         except Exception as error:
@@ -479,9 +479,9 @@ class Reducer:
 
     def _reduce_rest(self) -> FlagSums:
         probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
-        probe.finalize(num_steps)
+        probe.emit(StepEvent.FINALIZE, num_steps)
         unused_here = self.sparse.unused_here() if self.sparse.slots else []
-        flags, group, late = self.flags, self._group.get(), bool(self.late)
+        flags, group, late = self.flags, self._group() or self._group.get(), bool(self.late)
         after_waits, before = self.reduction.flags_after_waits, self._flags_before_last  # [Note: the flags' ...]
         work = None
 

@@ -234,7 +234,7 @@ class AllReduce(Reduction):
         if wire is not bucket.buffer:
             wire.copy_(bucket.buffer)
         # the bucket's own collective, launched here (faults/wire.py launches those outside the buckets)
-        return dist.all_reduce(wire, group=self.weak_group.get(), async_op=True)
+        return dist.all_reduce(wire, group=self.weak_group() or self.weak_group.get(), async_op=True)
 
     def wait(self, index: int, handle: Any) -> None:
         self._watch.wait(handle)

@@ -20,10 +20,12 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from torchreplicate.faults.place import Collective, Place
 from torchreplicate.faults.wire import all_reduce
+from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.bucket import Bucket
 from torchreplicate.reducer.flags import FlagSums
-from torchreplicate.reducer.probe import Probe
+from torchreplicate.reducer.probe import Probe, StepEvent
 
 
 class RoundInputs(NamedTuple):
@@ -75,11 +77,12 @@ class LateRound:
     def reduce(self, end: RoundInputs) -> None:
         """Adds the mean of every rank's late gradients to the reduced ``.grad``."""
         with end.probe.span("late_round"):
-            end.probe.late_round(True, end.step)
+            end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.LATE_ROUND))
+            end.probe.emit(StepEvent.LATE_ROUND, 1)
             for bucket in end.buckets:
                 end.probe.watch.wait(all_reduce(extra := bucket.late_sum(end.late_grads), end.group))
                 bucket.add_to_grads(extra.div_(end.divide_factor))
-            end.probe.late_round(False, end.step)
+            end.probe.emit(StepEvent.LATE_ROUND, 0)
 
     def shadow(self, end: RoundInputs) -> None:
         """Zeros for every bucket."""
