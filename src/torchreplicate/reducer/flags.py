@@ -27,7 +27,7 @@ the other, and the last bucket would wait for a thread. On an accelerator
 it follows the last bucket on the group's stream, and a stream of its own
 waits for it and copies the sums to the host (``StagedSums.stage``): the
 step's stream never waits for it. Every rank places it alike, a joined
-rank too (``Reducer._shadow``).
+rank too (``Reducer._collectives``, the one sequence).
 
 [Note: the flags carried]
 Where the layout is not DDP's (``bucket_layout="tuned"`` or ``"fixed"``,

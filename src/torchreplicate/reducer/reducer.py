@@ -30,7 +30,10 @@ keeps ``grad=None``; any late gradient anywhere triggers one more agreed
 round ([Note: the late round] in rounds.py). From a reducer's second step
 on, at the default ``graph="learned"``, the sums are read at the end of the
 next step instead, and no late round runs ([Note: flags read a step late]
-in flags.py).
+in flags.py). The sequence is written once (``_collectives``): the end of
+backward runs it with this rank's gradients, and a rank that joined or
+whose step raised runs it with zeros (each bucket's reduction launched with
+``zeros=True``), so the two can never drift apart.
 
 [Note: a backward that raised]
 Every rank must keep running the same collectives even where a step raised
@@ -47,8 +50,9 @@ on some ranks only. Four places a step can raise on one rank:
   launched, sets every replicated parameter's ``.grad`` to None, as
   ``zero_grad(set_to_none=True)`` would, with a warning (the partial sums
   are neither this rank's gradients nor their average), and runs the rest
-  of the step's collective sequence as a joined rank does: zeros for the
-  buckets not launched, then flags that say "raised on this rank".
+  of the step's collective sequence as a joined rank does (``_shadow``:
+  the one sequence, ``_collectives``, with zeros) for the buckets not
+  launched, then flags that say "raised on this rank".
 - In its forward, after the forward's own collectives (a bad sample, out of
   memory on the longest sequence), caught by the loop, which skips or
   retries the batch while the others go on to backward: the forward's
@@ -406,23 +410,19 @@ class Reducer:
     @torch.no_grad()
     def _finalize(self) -> None:
         # The autograd engine's end-of-backward callback ([Note: end of backward]
-        # in core/state.py): launches every bucket the hooks did not (the last
-        # with the flags), waits for all, reads the summed flags, points .grad
-        # at the averages, runs the rounds after the buckets (the late round if
-        # any rank had a late gradient, then the plan's: rounds.py), learns.
+        # in core/state.py): the rest of the step's collectives (_collectives),
+        # then .grad at the averages, the rounds after the buckets (the late
+        # round if any rank had a late gradient, then the plan's: rounds.py),
+        # learning.
         self.lifecycle.now = TrainingState.FINALIZING
         end_ns = time.perf_counter_ns()
         try:
             with self.probe.watch.diagnosing():
-                sums = self.sums = self._reduce_rest()
+                sums = self.sums = self._collectives(self.num_launched)
                 late_grads: dict[int, torch.Tensor] = {}
                 for bucket in self.buckets:
                     late_grads.update(bucket.restore(sums.unused_everywhere, sums.any_late))
-                rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
-                if rounds:
-                    inputs = self._round_inputs(sums, late_grads)
-                    for round_ in rounds:
-                        round_.reduce(inputs)
+                self._rounds(sums, late_grads)
                 self.rounds_done = True
                 self._learn(self.first_ready, self.first_ready_ns, end_ns)
                 self.probe.emit(StepEvent.STEP_END, self.num_steps - 1, self.wire_bytes(late=sums.any_late))
@@ -434,6 +434,21 @@ class Reducer:
         finally:
             self._new_step()
             self.lifecycle.now = TrainingState.IDLE
+
+    def _rounds(self, sums: FlagSums, late_grads: Optional[dict[int, torch.Tensor]] = None) -> None:
+        # The rounds after the buckets: the late round where some rank had a late gradient, then the plan's
+        # (rounds.py); ``late_grads`` None: a rank that joined or raised, whose part is zeros (``shadow``).
+        rounds = (LATE_ROUND, *self.rounds) if sums.any_late else self.rounds
+        if rounds:
+            inputs = self._round_inputs(sums, late_grads or {})
+            for round_ in rounds:
+                round_.reduce(inputs) if late_grads is not None else round_.shadow(inputs)
+
+    def _abandon(self) -> None:
+        # A backward that raised on this rank: every bucket waits for what it launched, .grad goes to None.
+        for bucket in self.buckets:
+            bucket.abandon()
+        self.sparse.abandon()
 
     def _end_failed_step(self, error: Exception) -> None:
         # The end of backward raised here ([Note: a backward that raised]): where every rank raised alike
@@ -447,25 +462,15 @@ class Reducer:
         watch.note_raised(step, what)
         if not self.flags_sent:
             first = self.num_launched
-            for bucket in self.buckets:
-                bucket.abandon()
-            self.sparse.abandon()
-            self._new_step()
+            self._abandon()
             with contextlib.suppress(AgreedError):  # this rank raises its own error; the others, the agreed one
                 self._shadow(first, raised=True)
             return
         self.raised_earlier = True
         if not self.rounds_done:
-            inputs = self._round_inputs(self.sums, {})
-            for round_ in (LATE_ROUND, *self.rounds) if self.sums.any_late else self.rounds:
-                round_.shadow(inputs)
+            self._rounds(self.sums)
         if not self.layout_agreed:
             self._learn()
-
-    def _build_agreed_layout(self) -> None:
-        # The layout every rank agreed on at the last step's end, where it could not be built then.
-        if self.rebuild_pending:
-            self._rebuild_buckets()
 
     def end_raised_forward(self, what: str) -> None:
         """A synchronised forward raised on this rank ([Note: a backward that raised]): the backward the
@@ -473,57 +478,8 @@ class Reducer:
         warn_forward_raised(self.num_steps)
         self.probe.watch.note_raised(self.num_steps, what)
         self._build_agreed_layout()
-        self._new_step()
         with contextlib.suppress(AgreedError):  # raised here too at an immediate read: this rank has its own
             self._shadow(0, raised=True)
-
-    def _reduce_rest(self) -> FlagSums:
-        probe, buckets, num_steps = self.probe, self.buckets, self.num_steps
-        probe.emit(StepEvent.FINALIZE, num_steps)
-        unused_here = self.sparse.unused_here() if self.sparse.slots else []
-        flags, group, late = self.flags, self._group() or self._group.get(), bool(self.late)
-        after_waits, before = self.reduction.flags_after_waits, self._flags_before_last  # [Note: the flags' ...]
-        work = None
-
-        def send() -> Optional[dist.Work]:
-            self.flags_sent, earlier, self.raised_earlier = True, self.raised_earlier, False
-            return flags.send(unused_here, late, group, raised_earlier=earlier)
-
-        for bucket in buckets[self.num_launched :]:
-            unused_here += bucket.fill()
-            if before and bucket is buckets[-1]:
-                work = send()  # carried: into the last bucket's room
-            self._launch(bucket, False)
-        if not before and not after_waits:  # right after the last bucket's
-            work = send()
-        for bucket in buckets:
-            with probe.waiting(bucket.index, bucket.description, num_steps):
-                try:
-                    bucket.wait()
-                except (TypeError, ValueError) as error:
-                    raise_with_place(error, self.where(bucket))
-        if after_waits:
-            work = send()
-        elif flags.carrier is not None:
-            flags.landed()
-        probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))  # this step's, or the last's
-        if self.reads_now:
-            self.flags.wait(work, probe.watch)
-            return self.flags.read(unused_here, self._group.get, num_steps, probe.watch)
-        if self.late:
-            warn_late_unreduced(num_steps, self.late)
-        return self.flags.stage(self.staged, work, probe.watch, num_steps, unused_here, self.late, self._group.get)
-
-    @property
-    def _flags_before_last(self) -> bool:
-        # Whether the flags leave just before the last bucket (carried in its room), not after it or after
-        # the waits (a comm hook); the same on every rank, so the collective sequence stays one.
-        return bool(self.buckets) and not self.reduction.flags_after_waits and self.flags.carrier is not None
-
-    @property
-    def reads_now(self) -> bool:
-        """Whether this step reads the summed flags at its end, else a step late ([Note: flags read a step late])."""
-        return self.first_step is None or self.num_steps == self.first_step
 
     def finalize_raised_backward(self) -> None:
         """Ends the last synchronised backward if it raised before its end ran ([Note: a backward that raised]).
@@ -536,13 +492,11 @@ class Reducer:
         """
         if self.lifecycle.now is not TrainingState.BACKWARD or (self._end() is not None and in_backward()):
             return
-        for bucket in self.buckets:
-            bucket.abandon()
-        self.sparse.abandon()
-        self.lifecycle.now, first_not_launched = TrainingState.IDLE, self.num_launched
+        first = self.num_launched
+        self._abandon()
+        self.lifecycle.now = TrainingState.IDLE
         warn_backward_raised(self.num_steps)
-        self._new_step()
-        self._shadow(first_not_launched, raised=True)
+        self._shadow(first, raised=True)
 
     @torch.no_grad()
     def shadow_step(self) -> None:
@@ -550,40 +504,86 @@ class Reducer:
         assert self.lifecycle.now is TrainingState.SHADOWING, "run from Join's main_hook only"
         self._build_agreed_layout()
         self._shadow(0)
-        self._new_step()
 
     @torch.no_grad()
-    def _shadow(self, first_bucket: int, raised: bool = False) -> None:
-        # The step's collectives from bucket `first_bucket` on, with zeros, in a training rank's order: the
-        # buckets and the flags (read now: raises where a backward raised on some ranks only), the rounds
-        # after them; then learns.
-        flags, watch, group, last = self.flags, self.probe.watch, self.group, len(self.buckets) - 1
-        before = self._flags_before_last
+    def _shadow(self, first: int, raised: bool = False) -> None:
+        # A step this rank does not take: a joined rank's (first 0), or one that raised here (the collectives
+        # from the first bucket not launched, or all of them after a forward that raised). The same
+        # collective sequence as the ranks that train, zeros, with flags that say whether this rank raised
+        # (an immediate read raises where a step raised on some ranks only); the rounds after the buckets;
+        # learning, as the ranks still training count this step.
+        self._new_step()
+        try:
+            sums = self._collectives(first, zeros=True, raised=raised)
+            if sums.raised < dist.get_world_size(self.group):  # on every rank: no rank took it, nothing learned
+                self._rounds(sums)
+                self._learn()
+        finally:
+            self._new_step()
+
+    def _build_agreed_layout(self) -> None:
+        # The layout every rank agreed on at the last step's end, where it could not be built then.
+        if self.rebuild_pending:
+            self._rebuild_buckets()
+
+    def _collectives(self, first: int, zeros: bool = False, raised: bool = False) -> FlagSums:
+        # [Note: one collective sequence] The step's collectives from bucket `first` on, in the order every
+        # rank runs them, whether it trains (this rank's gradients) or not (``zeros``: a rank that joined, or
+        # raised, ``raised``): the buckets not launched yet, the flags (in the last bucket's room where it
+        # carries them, else right after the last bucket, or after every wait with a comm hook), the waits;
+        # then the sums, read now or staged for the next step's end ([Note: flags read a step late]).
+        probe, buckets, flags, num_steps = self.probe, self.buckets, self.flags, self.num_steps
+        group = self._group() or self._group.get()  # the weak reference's call; get() raises
+        unused_here = self.sparse.unused_here() if self.sparse.slots and not zeros else []
+        carried, after_waits = flags.carrier is not None, self.reduction.flags_after_waits
+        work: Optional[dist.Work] = None
+        if not zeros:
+            probe.emit(StepEvent.FINALIZE, num_steps)
 
         def send() -> Optional[dist.Work]:
-            return flags.send((), False, group, raised=True) if raised else flags.send_zeros(group)
+            if zeros:
+                return flags.send((), False, group, raised=True) if raised else flags.send_zeros(group)
+            self.flags_sent, earlier, self.raised_earlier = True, self.raised_earlier, False
+            return flags.send(unused_here, bool(self.late), group, raised_earlier=earlier)
 
-        self.reduction.shadow(first_bucket, last if before else None)
-        work = send() if before else None
-        if before:
-            sums = self.reduction.shadow(last, None, flags.tail if flags.carrier is not None else None)
-            if flags.carrier is not None:
-                flags.landed(sums)
-        else:
+        shadows = []  # a rank that does not train: its zero buckets, each (bucket, the reduction's handle)
+        for bucket in buckets[first:]:
+            if not zeros:
+                unused_here += bucket.fill()
+            if carried and bucket is buckets[-1]:
+                work = send()  # into the last bucket's room
+            if zeros:
+                shadows.append((bucket, self.reduction.launch(bucket.index, zeros=True)))
+            else:
+                self._launch(bucket, False)
+        if not carried and not after_waits:
+            work = send()  # right after the last bucket's
+        reduced: Optional[torch.Tensor] = None
+        for bucket, handle in shadows:
+            reduced = self.reduction.wait(bucket.index, handle)
+        for bucket in buckets if not zeros else ():
+            with probe.waiting(bucket.index, bucket.description, num_steps):
+                try:
+                    bucket.wait()
+                except (TypeError, ValueError) as error:
+                    raise_with_place(error, self.where(bucket))
+        if after_waits:
             work = send()
-        any_late = False  # the training ranks' late flag, read now or a step late
+        elif carried and buckets:
+            flags.landed(None if reduced is None else reduced[buckets[-1].numel :])
+        probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))  # this step's, or the last's
         if self.reads_now:
-            flags.wait(work, watch)
-            sums = flags.read((), self._group.get, self.num_steps, watch)
-            if sums.raised == dist.get_world_size(group):
-                return  # raised on every rank: no rank took the step, nothing to learn from it
-            any_late = sums.any_late
-        else:
-            flags.stage(self.staged, work, watch, self.num_steps, (), (), self._group.get)
-        inputs = self._round_inputs(FlagSums(frozenset(), any_late), {})
-        for round_ in (LATE_ROUND, *self.rounds) if any_late else self.rounds:
-            round_.shadow(inputs)
-        self._learn()  # the ranks still training count this step: the layout learning follows it
+            flags.wait(work, probe.watch)
+            return flags.read(unused_here, self._group.get, num_steps, probe.watch)
+        if self.late:
+            warn_late_unreduced(num_steps, self.late)
+        late = () if zeros else self.late
+        return flags.stage(self.staged, work, probe.watch, num_steps, unused_here, late, self._group.get)
+
+    @property
+    def reads_now(self) -> bool:
+        """Whether this step reads the summed flags at its end, else a step late ([Note: flags read a step late])."""
+        return self.first_step is None or self.num_steps == self.first_step
 
     def _new_step(self) -> None:
         # The one reset at a step's end: the reducer's part and each bucket's.

@@ -18,13 +18,13 @@ The bucket's collectives are launched here and waited through the module's
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
 from torchreplicate.errors import compiled_hook_error, complex_wire_error
-from torchreplicate.faults.wire import Watch, WeakGroup, all_reduce
+from torchreplicate.faults.wire import Watch, WeakGroup
 from torchreplicate.reducer.comm_hooks import CommHook, GradBucket, check_comm_hook, hook_result
 from torchreplicate.torch_internals import traced_all_reduce
 
@@ -76,12 +76,15 @@ class Reduction:
         """What bucket ``index``'s gradients are multiplied by on the way in (a 0-dim tensor), or None."""
         return None
 
-    def launch(self, index: int) -> Any:
-        """Starts reducing bucket ``index``; returns the handle ``wait`` takes."""
+    def launch(self, index: int, zeros: bool = False) -> Any:
+        """Starts reducing bucket ``index``; returns the handle ``wait`` takes. ``zeros``: this rank's part is
+        zeros (a rank that joined, or whose step raised: the same collectives as the ranks that train), in a
+        tensor of its own, but for the flags where the bucket's room carries them."""
         raise NotImplementedError
 
-    def wait(self, index: int, handle: Any) -> None:
-        """Waits for bucket ``index``; its gradients then hold the reduced average."""
+    def wait(self, index: int, handle: Any) -> Optional[torch.Tensor]:
+        """Waits for bucket ``index``; its gradients then hold the reduced average (launched with ``zeros``: the
+        bucket is left alone, and the reduced tensor of its own is returned)."""
         raise NotImplementedError
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
@@ -107,12 +110,6 @@ class Reduction:
     def flags_room(self) -> Optional[torch.Tensor]:
         """Where the flags travel inside the last bucket's collective (its buffer's room), or None: apart."""
         return None
-
-    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
-        """A joined rank's part of one backward (a rank whose backward raised: from bucket ``first`` on),
-        buckets ``first`` to ``stop`` (default: the last): the same collectives, all zeros but ``flags``
-        in the last bucket's room, where they travel; returns their sums then, else None."""
-        raise NotImplementedError
 
 
 class AllReduce(Reduction):
@@ -220,27 +217,22 @@ class AllReduce(Reduction):
         last = self._buckets[-1]
         return last.buffer[last.numel :] if last.buffer.numel() > last.numel else None
 
-    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
-        group, stop = self.weak_group.get(), len(self.wires) if stop is None else stop
-        zeros = [torch.zeros_like(wire) for wire in self.wires[first:stop]]
-        if flags is not None and zeros and stop == len(self.wires):
-            zeros[-1][self._buckets[-1].numel :].copy_(flags)
-        for work in [all_reduce(zero, group) for zero in zeros]:
-            self._watch.wait(work)
-        return zeros[-1][self._buckets[-1].numel :] if flags is not None and zeros else None
-
-    def launch(self, index: int) -> Any:
+    def launch(self, index: int, zeros: bool = False) -> Any:
         wire, bucket = self.wires[index], self._buckets[index]
-        if wire is not bucket.buffer:
+        if zeros:
+            wire = torch.zeros_like(wire)
+            wire[bucket.numel :].copy_(bucket.buffer[bucket.numel :])  # the flags, where its room carries them
+        elif wire is not bucket.buffer:
             wire.copy_(bucket.buffer)
         # the bucket's own collective, launched here (faults/wire.py launches those outside the buckets)
-        return dist.all_reduce(wire, group=self.weak_group() or self.weak_group.get(), async_op=True)
+        return dist.all_reduce(wire, group=self.weak_group() or self.weak_group.get(), async_op=True), wire
 
-    def wait(self, index: int, handle: Any) -> None:
-        self._watch.wait(handle)
-        wire, bucket = self.wires[index], self._buckets[index]
-        if wire is not bucket.buffer:
-            bucket.buffer.copy_(wire)
+    def wait(self, index: int, handle: Any) -> Optional[torch.Tensor]:
+        work, wire = cast(tuple[dist.Work, torch.Tensor], handle)
+        self._watch.wait(work)
+        if wire is self.wires[index] and wire is not self._buckets[index].buffer:
+            self._buckets[index].buffer.copy_(wire)
+        return wire
 
 
 def real_parts(tensor: torch.Tensor) -> torch.Tensor:
@@ -312,27 +304,19 @@ class HookReduction(Reduction):
             [real_parts(view) for view in views],
         )
 
-    def shadow(self, first: int = 0, stop: Optional[int] = None, flags: Optional[torch.Tensor] = None) -> Any:
-        # The hook on zero buckets, one at a time (the reducer's flags follow, apart).
-        future = None
-        for index, bucket in enumerate(self._buckets[first:stop], first):
-            if future is not None:
-                future.wait()
-            zeros = torch.zeros_like(bucket.grads)
-            at = [view.storage_offset() - bucket.grads.storage_offset() for view in bucket.views]
-            views = [zeros.as_strided(v.shape, v.stride(), o) for v, o in zip(bucket.views, at, strict=True)]
-            future = self.hook(self.state, self._grad_bucket(index, zeros, views))
-        if future is not None:
-            future.wait()
-        return None
-
-    def launch(self, index: int) -> Any:
-        if index > 0:  # [Note: hooks run one bucket at a time]; a future done already is not waited on
+    def launch(self, index: int, zeros: bool = False) -> Any:
+        if index > 0 and self._previous is not None:  # [Note: hooks run one bucket at a time]
             done = getattr(self._previous, "done", None)  # duck-typed futures (torchft's) may lack it
-            if done is None or not done():
+            if done is None or not done():  # a future done already is not waited on
                 self._previous.wait()
         bucket = self._buckets[index]
-        grad_bucket = self._grad_bucket(index, bucket.grads, bucket.views)
+        if zeros:  # the hook on a zero bucket of its own (the reducer's flags follow, apart)
+            grads = torch.zeros_like(bucket.grads)
+            at = [view.storage_offset() - bucket.grads.storage_offset() for view in bucket.views]
+            views = [grads.as_strided(v.shape, v.stride(), o) for v, o in zip(bucket.views, at, strict=True)]
+            grad_bucket = self._grad_bucket(index, grads, views)
+        else:
+            grad_bucket = self._grad_bucket(index, bucket.grads, bucket.views)
         future = self.hook(self.state, grad_bucket)
         # Duck-typed: Work.get_future() and Future.then() return torch's C++
         # future type, of which torch.futures.Future is only a subclass.
@@ -342,13 +326,16 @@ class HookReduction(Reduction):
                 f"returned {type(future).__name__}"
             )
         self._previous = future
-        return future, grad_bucket  # what the hook returned (a duck-typed torch future), and was handed
+        return future, grad_bucket, zeros  # what the hook returned (a duck-typed torch future), and was handed
 
-    def wait(self, index: int, handle: Any) -> None:
+    def wait(self, index: int, handle: Any) -> Optional[torch.Tensor]:
         if index == len(self._buckets) - 1:
             self._previous = None  # the step's last future: not kept, with its tensors, until the next step
-        future, grad_bucket = handle
+        future, grad_bucket, zeros = handle
         result = hook_result(future.wait(), grad_bucket)
+        if zeros:
+            return result
         grads = real_parts(self._buckets[index].grads).view(-1)  # what the hook was handed
         if result.data_ptr() != grads.data_ptr() or result.dtype != grads.dtype:
             grads.copy_(result.reshape(-1))
+        return None
