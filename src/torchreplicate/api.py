@@ -15,17 +15,14 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.compat.ddp_args import refuse_module, refuse_positional, translate
+from torchreplicate.compat.ddp_args import ddp_options, group_of, refuse_module
 from torchreplicate.compat.ddp_surface import OWN_NAMES_WIN, DDPSurface
-from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
-from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_inside_fully_shard
+from torchreplicate.config import ReplicateConfig, to_device, to_ignored_modules
 from torchreplicate.core.plan import ReplansOnConversion
-from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, without_registry
+from torchreplicate.core.registry import find_state, get_state, register_state, without_registry
 from torchreplicate.core.state import ReplicateState
-from torchreplicate.errors import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
 
@@ -362,14 +359,16 @@ def replicate(
         - No GPU has run this code: the CUDA and NCCL paths are read from
           torch's sources and tested with fakes on the CPU.
     """
-    refuse_positional(positional)
-    _refuse_unsupported(module)
-    own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(
-        module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0}, OWN_OPTIONS
+    options = ddp_options(
+        module,
+        positional,
+        ddp_arguments,
+        OWN_OPTIONS,
+        device_id=device_id,
+        broadcast_buffers=broadcast_buffers,
+        bucket_cap_mb=bucket_cap_mb,
     )
-    broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
-    process_group = _process_group(process_group, mesh, device_mesh)
+    process_group = group_of(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
         device_id=to_device(options["device_id"]),
@@ -379,8 +378,8 @@ def replicate(
         graph=graph,
         tied_split=tied_split,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=broadcast,
-        init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
+        broadcast_buffers=options["broadcast_buffers"],
+        init_sync_buffers=options["init_sync_buffers"],
         dim=options["dim"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
@@ -397,17 +396,6 @@ replicate.state = get_state  # type: ignore[attr-defined]
 OWN_OPTIONS = tuple(name for name, p in inspect.signature(replicate).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
-def _process_group(
-    process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], device_mesh: Optional[DeviceMesh]
-) -> Optional[dist.ProcessGroup]:
-    # The group to average over: process_group=, or the group of a mesh under either name.
-    if mesh is not None and device_mesh is not None:
-        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
-    return resolve_group(
-        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
-    )
-
-
 def _attach_state(
     module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup], *, keep_local_values: bool
 ) -> nn.Module:
@@ -417,13 +405,19 @@ def _attach_state(
     state = ReplicateState(module, config, process_group)
 
     def set_up() -> None:
-        local_values = _local_values(module) if keep_local_values else {}
+        # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
+        # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
+        # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
+        kept = {name: t.detach().clone() for name, t in _named_tensors(module).items()} if keep_local_values else {}
         try:
             state.init()
         except BaseException:
             state.remove_hooks()
             raise
-        _restore_local_values(module, local_values)
+        with torch.no_grad():
+            named = _named_tensors(module)
+            for name, value in kept.items():
+                named[name].copy_(value)
         module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
         disable_join(module)  # torch's join config, disabled until a Join
 
@@ -431,60 +425,5 @@ def _attach_state(
     return module
 
 
-def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
-    # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
-    # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
-    # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
-    return {name: tensor.detach().clone() for name, tensor in (*module.named_parameters(), *module.named_buffers())}
-
-
-@torch.no_grad()
-def _restore_local_values(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    for name, value in values.items():
-        named[name].copy_(value)
-
-
-def _refuse_unsupported(module: object) -> None:
-    # What replicate() is not applied to: not a module, a list, a module
-    # inside a replicated one, a module fully_shard manages.
-    if isinstance(module, (list, tuple)):
-        raise TypeError(
-            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
-            "replicate each block and then their common parent (nested replicate: one collective "
-            "sequence, buckets that follow the blocks)"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, DistributedDataParallel):
-        raise TypeError(
-            "replicate(): got a torch.nn.parallel.DistributedDataParallel (wrapping "
-            f"{class_name(module.module)}): DDP already averages its gradients, and replicate() would "
-            "average them again. Pass the model itself: replicate(model), not replicate(DDP(model)) "
-            "(with DDP's options as keywords: replicate(model, device_ids=..., bucket_cap_mb=...))"
-        )
-    for name, inner in module.named_modules():
-        if isinstance(inner, DistributedDataParallel):
-            raise RuntimeError(
-                f"replicate(): the submodule {name!r} is a torch.nn.parallel.DistributedDataParallel: DDP "
-                "already averages its gradients, and replicate() would average them again. Keep its "
-                f"module instead (model.{name} = model.{name}.module) before replicate(model)"
-            )
-    if find_state(module) is not None:
-        raise AlreadyReplicatedError(
-            f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "
-            f"{type(module).__name__}: applying it twice is not supported; call it once on the root module"
-        )
-    if (outer := enclosing_state(module)) is not None:
-        raise RuntimeError(
-            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
-            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
-            "enclosing module (nested replicate, as torchtitan does)"
-        )
-    if is_fully_sharded(module):
-        raise RuntimeError(
-            "Cannot apply `replicate()` on a Module already managed by `fully_shard` replicate(): "
-            f"this {type(module).__name__} is sharded by fully_shard; replicate its parent instead "
-            "(submodules that fully_shard manages are skipped), or use fully_shard alone"
-        )
-    refuse_inside_fully_shard(module)
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
