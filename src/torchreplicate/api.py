@@ -32,7 +32,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
     DDP's other attributes and methods come from ``DDPSurface`` (compat/ddp_surface.py);
-    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, compat/view.py).
+    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, [Note: re-planning] in core/plan.py).
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -87,7 +87,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
 
         Ranks with fewer batches leave their loop and shadow the others'
         collectives until every rank is done; then every rank takes the
-        parameters of the last rank to finish. See [Note: join] in join.py.
+        parameters of the last rank to finish. See [Note: join] in core/join.py.
 
         Example::
 
@@ -233,7 +233,7 @@ def replicate(
         bucket_layout: ``"learned"`` (default): DDP's buckets and DDP's arithmetic, so the same
             seeded job ends with DDP's bits at any number of ranks: the first synchronised step
             reduces one bucket per dtype and device, later ones the buckets DDP rebuilds in the
-            order gradients became ready ([Note: DDP's buckets] in layout/plan.py). As under DDP,
+            order gradients became ready ([Note: DDP's buckets] in reducer/layout/plan.py). As under DDP,
             a run resumed from a checkpoint then differs from an uninterrupted one in the last
             bits at 3+ ranks (its first step is laid out otherwise). ``"fixed"``: one layout from
             the first step on, reverse registration order at the caps (DDP's 25 MiB, 1 MiB
@@ -245,7 +245,7 @@ def replicate(
             faster where the network is slower than compute, but the timings decide which
             gradients are summed together, so a rerun can differ in the last bits. Refused under
             ``torch.use_deterministic_algorithms(True)`` (a warning with ``warn_only=True``). See
-            layout/policy.py's [Note: tuning].
+            reducer/layout/policy.py's [Note: tuning].
         graph: ``"learned"`` (default): the first synchronised step learns how
             often each parameter's gradient arrives; later steps read the
             summed flags one step late, so a step makes no host read (on a
@@ -255,7 +255,7 @@ def replicate(
             ``"dynamic"``: the flags are read at the end of every step (one
             host read per step), and such gradients are reduced by a late
             round at any step. Unused parameters work either way. See
-            flags.py's [Note: flags read a step late].
+            reducer/flags.py's [Note: flags read a step late].
         tied_split: reduce a tied parameter's first use (a GPT's token
             embedding, tied to its LM head) apart, by the rows its batch
             touched, so the parameter's bucket leaves during backward instead
@@ -263,7 +263,7 @@ def replicate(
             bits (DDP reduces the parameter whole). Default None: only under
             ``bucket_layout="tuned"``, where its first step finds it pays;
             True: always (the same on every run); False: never. See
-            tied_rows.py's [Note: tied parameters].
+            reducer/tied_rows.py's [Note: tied parameters].
         gradient_as_bucket_view: where ``.grad`` lives, with DDP's arithmetic
             for the same argument. Default None: each ``.grad`` is a view
             into its bucket (no second copy of the gradients), summed with
@@ -298,12 +298,12 @@ def replicate(
             naming it, and the collective waits on up to the process
             group's own timeout, as DDP's; a rank gone, or waiting in
             another collective, makes it raise at once, naming who is where
-            (see watchdog.py). Default 60; None turns the watchdog off.
+            ([Note: stall watchdog] in faults/watchdog.py). Default 60; None turns the watchdog off.
         mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
             compute in ``param_dtype`` with fp32 master weights and
             gradients, reduce in ``reduce_dtype`` (default ``param_dtype``,
             as FSDP2), inputs cast when ``cast_forward_inputs``, outputs
-            cast to ``output_dtype`` (see mixed_precision.py). Default None.
+            cast to ``output_dtype`` (see core/mixed_precision.py). Default None.
         **ddp_arguments: the rest of DDP's constructor, with DDP's meaning
             (``device_ids=[local_rank]``, ``output_device``, ``init_sync``,
             ``forward_sync_buffers``, ...): mapped onto the options above, or
