@@ -15,17 +15,14 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from torchreplicate.compat.ddp_args import refuse_module, refuse_positional, translate
+from torchreplicate.compat.ddp_args import ddp_options, group_of, refuse_module
 from torchreplicate.compat.ddp_surface import OWN_NAMES_WIN, DDPSurface
-from torchreplicate.config import ReplicateConfig, resolve_group, to_device, to_ignored_modules
-from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_inside_fully_shard
+from torchreplicate.config import ReplicateConfig, to_device, to_ignored_modules
 from torchreplicate.core.plan import ReplansOnConversion
-from torchreplicate.core.registry import enclosing_state, find_state, get_state, register_state, without_registry
+from torchreplicate.core.registry import find_state, get_state, register_state, without_registry
 from torchreplicate.core.state import ReplicateState
-from torchreplicate.errors import AlreadyReplicatedError, seed_applied_twice_text
 from torchreplicate.torch_internals import disable_join
 
 
@@ -35,7 +32,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
     ``replicate(model)`` sets ``model.__class__`` to a class deriving from this
     and from the model's own class, so ``isinstance(model, MyModel)`` holds.
     DDP's other attributes and methods come from ``DDPSurface`` (compat/ddp_surface.py);
-    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, compat/view.py).
+    a conversion (``.to()``, ...) re-plans (``ReplansOnConversion``, [Note: re-planning] in core/plan.py).
     """
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -90,7 +87,7 @@ class ReplicateModule(DDPSurface, ReplansOnConversion):
 
         Ranks with fewer batches leave their loop and shadow the others'
         collectives until every rank is done; then every rank takes the
-        parameters of the last rank to finish. See [Note: join] in join.py.
+        parameters of the last rank to finish. See [Note: join] in core/join.py.
 
         Example::
 
@@ -236,7 +233,7 @@ def replicate(
         bucket_layout: ``"learned"`` (default): DDP's buckets and DDP's arithmetic, so the same
             seeded job ends with DDP's bits at any number of ranks: the first synchronised step
             reduces one bucket per dtype and device, later ones the buckets DDP rebuilds in the
-            order gradients became ready ([Note: DDP's buckets] in layout/plan.py). As under DDP,
+            order gradients became ready ([Note: DDP's buckets] in reducer/layout/plan.py). As under DDP,
             a run resumed from a checkpoint then differs from an uninterrupted one in the last
             bits at 3+ ranks (its first step is laid out otherwise). ``"fixed"``: one layout from
             the first step on, reverse registration order at the caps (DDP's 25 MiB, 1 MiB
@@ -248,7 +245,7 @@ def replicate(
             faster where the network is slower than compute, but the timings decide which
             gradients are summed together, so a rerun can differ in the last bits. Refused under
             ``torch.use_deterministic_algorithms(True)`` (a warning with ``warn_only=True``). See
-            layout/policy.py's [Note: tuning].
+            reducer/layout/policy.py's [Note: tuning].
         graph: ``"learned"`` (default): the first synchronised step learns how
             often each parameter's gradient arrives; later steps read the
             summed flags one step late, so a step makes no host read (on a
@@ -258,7 +255,7 @@ def replicate(
             ``"dynamic"``: the flags are read at the end of every step (one
             host read per step), and such gradients are reduced by a late
             round at any step. Unused parameters work either way. See
-            flags.py's [Note: flags read a step late].
+            reducer/flags.py's [Note: flags read a step late].
         tied_split: reduce a tied parameter's first use (a GPT's token
             embedding, tied to its LM head) apart, by the rows its batch
             touched, so the parameter's bucket leaves during backward instead
@@ -266,7 +263,7 @@ def replicate(
             bits (DDP reduces the parameter whole). Default None: only under
             ``bucket_layout="tuned"``, where its first step finds it pays;
             True: always (the same on every run); False: never. See
-            tied_rows.py's [Note: tied parameters].
+            reducer/tied_rows.py's [Note: tied parameters].
         gradient_as_bucket_view: where ``.grad`` lives, with DDP's arithmetic
             for the same argument. Default None: each ``.grad`` is a view
             into its bucket (no second copy of the gradients), summed with
@@ -301,12 +298,12 @@ def replicate(
             naming it, and the collective waits on up to the process
             group's own timeout, as DDP's; a rank gone, or waiting in
             another collective, makes it raise at once, naming who is where
-            (see watchdog.py). Default 60; None turns the watchdog off.
+            ([Note: stall watchdog] in faults/watchdog.py). Default 60; None turns the watchdog off.
         mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``:
             compute in ``param_dtype`` with fp32 master weights and
             gradients, reduce in ``reduce_dtype`` (default ``param_dtype``,
             as FSDP2), inputs cast when ``cast_forward_inputs``, outputs
-            cast to ``output_dtype`` (see mixed_precision.py). Default None.
+            cast to ``output_dtype`` (see core/mixed_precision.py). Default None.
         **ddp_arguments: the rest of DDP's constructor, with DDP's meaning
             (``device_ids=[local_rank]``, ``output_device``, ``init_sync``,
             ``forward_sync_buffers``, ...): mapped onto the options above, or
@@ -362,14 +359,16 @@ def replicate(
         - No GPU has run this code: the CUDA and NCCL paths are read from
           torch's sources and tested with fakes on the CPU.
     """
-    refuse_positional(positional)
-    _refuse_unsupported(module)
-    own = {"device_id": device_id, "broadcast_buffers": broadcast_buffers, "bucket_cap_mb": bucket_cap_mb}
-    options = translate(
-        module, ddp_arguments, {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0}, OWN_OPTIONS
+    options = ddp_options(
+        module,
+        positional,
+        ddp_arguments,
+        OWN_OPTIONS,
+        device_id=device_id,
+        broadcast_buffers=broadcast_buffers,
+        bucket_cap_mb=bucket_cap_mb,
     )
-    broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
-    process_group = _process_group(process_group, mesh, device_mesh)
+    process_group = group_of(process_group, mesh, device_mesh)
     config = ReplicateConfig(
         ignored_modules=to_ignored_modules(ignored_modules),
         device_id=to_device(options["device_id"]),
@@ -379,8 +378,8 @@ def replicate(
         graph=graph,
         tied_split=tied_split,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=broadcast,
-        init_sync_buffers=broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"],
+        broadcast_buffers=options["broadcast_buffers"],
+        init_sync_buffers=options["init_sync_buffers"],
         dim=options["dim"],
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
@@ -397,17 +396,6 @@ replicate.state = get_state  # type: ignore[attr-defined]
 OWN_OPTIONS = tuple(name for name, p in inspect.signature(replicate).parameters.items() if p.kind is p.KEYWORD_ONLY)
 
 
-def _process_group(
-    process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], device_mesh: Optional[DeviceMesh]
-) -> Optional[dist.ProcessGroup]:
-    # The group to average over: process_group=, or the group of a mesh under either name.
-    if mesh is not None and device_mesh is not None:
-        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
-    return resolve_group(
-        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
-    )
-
-
 def _attach_state(
     module: nn.Module, config: ReplicateConfig, process_group: Optional[dist.ProcessGroup], *, keep_local_values: bool
 ) -> nn.Module:
@@ -417,13 +405,19 @@ def _attach_state(
     state = ReplicateState(module, config, process_group)
 
     def set_up() -> None:
-        local_values = _local_values(module) if keep_local_values else {}
+        # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
+        # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
+        # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
+        kept = {name: t.detach().clone() for name, t in _named_tensors(module).items()} if keep_local_values else {}
         try:
             state.init()
         except BaseException:
             state.remove_hooks()
             raise
-        _restore_local_values(module, local_values)
+        with torch.no_grad():
+            named = _named_tensors(module)
+            for name, value in kept.items():
+                named[name].copy_(value)
         module.__class__ = _replicated_class(type(module))  # type: ignore[arg-type]  # mypy: Module.__hash__ is not Hashable
         disable_join(module)  # torch's join config, disabled until a Join
 
@@ -431,60 +425,5 @@ def _attach_state(
     return module
 
 
-def _local_values(module: nn.Module) -> dict[str, torch.Tensor]:
-    # DDP's init_sync=False: each rank keeps its own parameters and buffers. The set-up still checks
-    # shapes across ranks and broadcasts (every rank runs the same collectives, whatever each passed);
-    # this copy is put back after it. By name: a device_id move replaces the buffers' tensors.
-    return {name: tensor.detach().clone() for name, tensor in (*module.named_parameters(), *module.named_buffers())}
-
-
-@torch.no_grad()
-def _restore_local_values(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    for name, value in values.items():
-        named[name].copy_(value)
-
-
-def _refuse_unsupported(module: object) -> None:
-    # What replicate() is not applied to: not a module, a list, a module
-    # inside a replicated one, a module fully_shard manages.
-    if isinstance(module, (list, tuple)):
-        raise TypeError(
-            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
-            "replicate each block and then their common parent (nested replicate: one collective "
-            "sequence, buckets that follow the blocks)"
-        )
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
-    if isinstance(module, DistributedDataParallel):
-        raise TypeError(
-            "replicate(): got a torch.nn.parallel.DistributedDataParallel (wrapping "
-            f"{class_name(module.module)}): DDP already averages its gradients, and replicate() would "
-            "average them again. Pass the model itself: replicate(model), not replicate(DDP(model)) "
-            "(with DDP's options as keywords: replicate(model, device_ids=..., bucket_cap_mb=...))"
-        )
-    for name, inner in module.named_modules():
-        if isinstance(inner, DistributedDataParallel):
-            raise RuntimeError(
-                f"replicate(): the submodule {name!r} is a torch.nn.parallel.DistributedDataParallel: DDP "
-                "already averages its gradients, and replicate() would average them again. Keep its "
-                f"module instead (model.{name} = model.{name}.module) before replicate(model)"
-            )
-    if find_state(module) is not None:
-        raise AlreadyReplicatedError(
-            f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "
-            f"{type(module).__name__}: applying it twice is not supported; call it once on the root module"
-        )
-    if (outer := enclosing_state(module)) is not None:
-        raise RuntimeError(
-            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
-            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
-            "enclosing module (nested replicate, as torchtitan does)"
-        )
-    if is_fully_sharded(module):
-        raise RuntimeError(
-            "Cannot apply `replicate()` on a Module already managed by `fully_shard` replicate(): "
-            f"this {type(module).__name__} is sharded by fully_shard; replicate its parent instead "
-            "(submodules that fully_shard manages are skipped), or use fully_shard alone"
-        )
-    refuse_inside_fully_shard(module)
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}

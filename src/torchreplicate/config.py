@@ -101,37 +101,55 @@ class ReplicateConfig:
         return {**options, "reduce_dtype": str(self.wire_dtype), "param_dtype": str(param_dtype)}
 
     def __post_init__(self) -> None:
-        # The switches, then the sizes, the layout and the precision, each refused with its own message.
+        # Each option group refused with its own messages, in this order.
+        self._check_switches()
+        self._check_sizes()
+        self._check_layout()
+        self._check_arithmetic()
+
+    def _check_switches(self) -> None:
+        # The ignored modules, the True/False switches, tied_split.
         for module in self.ignored_modules:
             if not isinstance(module, nn.Module):
                 raise TypeError(
                     "replicate(): ignored_modules must hold nn.Module objects, got "
                     f"{type(module).__name__}; pass e.g. ignored_modules=[model.head]"
                 )
-        switches = ("gradient_as_bucket_view", "broadcast_buffers", "init_sync_buffers", "find_unused_parameters")
-        for option in (*switches, "static_graph"):
+        for option in (
+            "gradient_as_bucket_view",
+            "broadcast_buffers",
+            "init_sync_buffers",
+            "find_unused_parameters",
+            "static_graph",
+        ):
             value = getattr(self, option)
             if not isinstance(value, bool) and not (option == "gradient_as_bucket_view" and value is None):
                 raise TypeError(f"replicate(): {option} must be True or False, got {value!r}")
-        if self.tied_split is not None and not isinstance(self.tied_split, bool):
+        if not isinstance(self.tied_split, (bool, type(None))):
             raise TypeError(
                 f"replicate(): tied_split must be True, False or None, got {self.tied_split!r}; None (the "
                 'default) splits only under bucket_layout="tuned", where it pays'
             )
+
+    def _check_sizes(self) -> None:
+        # The bucket caps in MiB, the stall timeout in seconds.
         for option in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, option)  # None: DDP's 25 MiB (measured when tuned), and its first-bucket rule
-            if value is not None and not _is_positive_finite(value):
+            if not _positive_or_none(value):
                 raise ValueError(
                     f"replicate(): {option} must be a positive number of MiB, got {value!r}; pass a "
                     "finite value, e.g. 25 (a cap above the model's size gives one bucket), or leave "
                     "bucket_cap_mb=None: DDP's 25"
                 )
-        if self.stall_timeout is not None and not _is_positive_finite(self.stall_timeout_s):
+        if not _positive_or_none(self.stall_timeout_s):
             raise ValueError(
                 "replicate(): stall_timeout must be a positive number of seconds or a datetime.timedelta "
                 f"(None turns the watchdog off), got {self.stall_timeout!r}; e.g. stall_timeout=300 for steps "
                 "that may wait minutes for one rank (checkpointing on rank 0)"
             )
+
+    def _check_layout(self) -> None:
+        # bucket_layout and graph among their choices, then what "tuned" rules out.
         if self.bucket_layout not in BUCKET_LAYOUTS:
             raise ValueError(
                 f"replicate(): bucket_layout must be one of {', '.join(map(repr, BUCKET_LAYOUTS))}, got "
@@ -155,6 +173,9 @@ class ReplicateConfig:
                     "(the default)"
                 )
             refuse_tuning_if_deterministic()
+
+    def _check_arithmetic(self) -> None:
+        # The dtype gradients travel in (reduce_dtype, mp_policy), then what their sum is divided by.
         if self.reduce_dtype is not None and (
             not isinstance(self.reduce_dtype, torch.dtype) or not self.reduce_dtype.is_floating_point
         ):
@@ -162,14 +183,13 @@ class ReplicateConfig:
                 "replicate(): reduce_dtype must be a floating torch.dtype such as torch.bfloat16, "
                 f"got {self.reduce_dtype!r}"
             )
-        if self.mp_policy is not None:
-            _, policy_wire = policy_dtypes(self.mp_policy)  # checks the type
-            if self.reduce_dtype is not None and self.reduce_dtype != policy_wire:
-                raise ValueError(
-                    f"replicate(): reduce_dtype={self.reduce_dtype} and mp_policy (gradients reduced in "
-                    f"{policy_wire}) disagree; set the policy's reduce_dtype and drop replicate(reduce_dtype=...)"
-                )
-        if self.gradient_divide_factor is not None and not _is_positive_finite(self.gradient_divide_factor):
+        # wire_dtype checks the policy's type (policy_dtypes), reduce_dtype given or not
+        if self.mp_policy is not None and self.reduce_dtype not in (None, self.wire_dtype):
+            raise ValueError(
+                f"replicate(): reduce_dtype={self.reduce_dtype} and mp_policy (gradients reduced in "
+                f"{self.wire_dtype}) disagree; set the policy's reduce_dtype and drop replicate(reduce_dtype=...)"
+            )
+        if not _positive_or_none(self.gradient_divide_factor):
             raise ValueError(
                 "replicate(): gradient_divide_factor must be a positive number (1 for a sum, "
                 f"None for the mean over ranks), got {self.gradient_divide_factor!r}; it must be finite"
@@ -203,8 +223,11 @@ def refuse_tuning_if_deterministic() -> None:
     raise RuntimeError(text)
 
 
-def _is_positive_finite(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+def _positive_or_none(value: object) -> bool:
+    # None (the option's default), or a finite number above 0 (not a bool).
+    return value is None or (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    )
 
 
 def backend_of(group: dist.ProcessGroup, device_type: str) -> str:

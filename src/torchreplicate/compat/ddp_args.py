@@ -1,12 +1,13 @@
-"""DDP's constructor arguments in ``replicate()``'s terms, and DDP's refusals of a module.
+"""DDP's constructor arguments in ``replicate()``'s terms, and what ``replicate()`` refuses of a module.
 
 Code written against ``DistributedDataParallel``, or against torch's own
 ``replicate`` (which passes its keyword arguments through to DDP), calls
 ``replicate(model, device_ids=[local_rank], output_device=local_rank, ...)``.
 Every argument of DDP 2.13's signature is accepted here with DDP's meaning,
 mapped onto ours, or refused with the reason and what to write instead
-(the table is in docs/migration.md; the README has the short one). Refusals happen before any
-collective, so every rank raises the same error.
+(the table is in docs/migration.md; the README has the short one). A model wrapped in DDP, or one
+already replicated, is refused here too, with the seed's message first where the seed refuses
+it. Refusals happen before any collective, so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
-from torchreplicate.config import to_device
-from torchreplicate.errors import DDP_DELAY_PAIR_TEXT, DDP_ONE_DEVICE_TEXT, ddp_device_types_text
+from torchreplicate.config import resolve_group, to_device
+from torchreplicate.core.nested import class_name, is_fully_sharded, refuse_inside_fully_shard
+from torchreplicate.core.registry import enclosing_state, find_state
+from torchreplicate.errors import (
+    DDP_DELAY_PAIR_TEXT,
+    DDP_ONE_DEVICE_TEXT,
+    AlreadyReplicatedError,
+    ddp_device_types_text,
+    seed_applied_twice_text,
+)
 
 # DDP's constructor (2.13's, then 2.15's lazy_bucket_allocation), after `module`, in order; replicate() has the other
 # names of its signature itself (process_group, bucket_cap_mb, ...).
@@ -48,7 +59,7 @@ DDP_POSITIONAL_ORDER = (
     "lazy_bucket_allocation",  # DDP 2.15's
 )
 
-_CALLER = 4  # warnings point at replicate()'s caller: warn_no_effect, translate, replicate, caller
+_CALLER = 4  # warnings point at replicate()'s caller: warn_no_effect, ddp_options, replicate, caller
 
 
 def warn_no_effect(option: str, value: Any, why: str, *, stacklevel: int = 3) -> None:
@@ -104,28 +115,83 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else f"<{type(value).__name__}>"
 
 
-def translate(
-    module: nn.Module, arguments: Mapping[str, Any], options: dict[str, Any], own_names: Sequence[str]
+def _refuse_model(module: object) -> None:
+    # What replicate() is not applied to: not a module, a list, a DDP-wrapped model (or one holding a DDP),
+    # a module inside a replicated one, a module fully_shard manages.
+    if isinstance(module, (list, tuple)):
+        raise TypeError(
+            "replicate(): expected one nn.Module, got a list; to reduce several blocks as units, "
+            "replicate each block and then their common parent (nested replicate: one collective "
+            "sequence, buckets that follow the blocks)"
+        )
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate(): expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, DistributedDataParallel):
+        raise TypeError(
+            "replicate(): got a torch.nn.parallel.DistributedDataParallel (wrapping "
+            f"{class_name(module.module)}): DDP already averages its gradients, and replicate() would "
+            "average them again. Pass the model itself: replicate(model), not replicate(DDP(model)) "
+            "(with DDP's options as keywords: replicate(model, device_ids=..., bucket_cap_mb=...))"
+        )
+    for name, inner in module.named_modules():
+        if isinstance(inner, DistributedDataParallel):
+            raise RuntimeError(
+                f"replicate(): the submodule {name!r} is a torch.nn.parallel.DistributedDataParallel: DDP "
+                "already averages its gradients, and replicate() would average them again. Keep its "
+                f"module instead (model.{name} = model.{name}.module) before replicate(model)"
+            )
+    if find_state(module) is not None:
+        raise AlreadyReplicatedError(
+            f"{seed_applied_twice_text(module)}\nreplicate(): replicate() was already applied to this "
+            f"{type(module).__name__}: applying it twice is not supported; call it once on the root module"
+        )
+    if (outer := enclosing_state(module)) is not None:
+        raise RuntimeError(
+            f"replicate(): this {type(module).__name__} is inside {class_name(outer.module)}, which "
+            "replicate() was already applied to; apply replicate() to the blocks first, then to the "
+            "enclosing module (nested replicate, as torchtitan does)"
+        )
+    if is_fully_sharded(module):
+        raise RuntimeError(
+            "Cannot apply `replicate()` on a Module already managed by `fully_shard` replicate(): "
+            f"this {type(module).__name__} is sharded by fully_shard; replicate its parent instead "
+            "(submodules that fully_shard manages are skipped), or use fully_shard alone"
+        )
+    refuse_inside_fully_shard(module)
+
+
+def ddp_options(
+    module: nn.Module, positional: tuple[Any, ...], arguments: Mapping[str, Any], own_names: Sequence[str], **own: Any
 ) -> dict[str, Any]:
-    """Applies DDP's keyword arguments to replicate()'s own options, with DDP's meaning.
+    """What ``replicate()`` refuses before its options are checked, then DDP's keyword arguments applied to them.
+
+    Refuses options given by position (``refuse_positional``) and what
+    ``replicate()`` is not applied to (a list, a DDP-wrapped model, a module
+    already replicated or inside one, one that ``fully_shard`` manages), then
+    applies DDP's keyword arguments to replicate()'s own options, with DDP's meaning.
 
     Args:
         module: the model (some arguments are checked against its device).
+        positional: the arguments given to ``replicate()`` by position after the model.
         arguments: the DDP-only keyword arguments given to ``replicate()``.
-        options: replicate()'s own values of ``device_id``,
-            ``broadcast_buffers``, ``bucket_cap_mb`` and ``init_sync``;
-            ``init_sync_buffers`` (None: as ``broadcast_buffers``) and
-            ``dim``, DDP's, are set here.
         own_names: replicate()'s own keyword names (its signature), for "did you mean".
+        **own: replicate()'s own values of ``device_id``,
+            ``broadcast_buffers`` and ``bucket_cap_mb``.
 
     Returns:
-        ``options``, updated.
+        ``own`` updated, with ``init_sync`` and DDP's ``dim`` added and
+        ``broadcast_buffers`` and ``init_sync_buffers`` resolved (None: True,
+        and as ``broadcast_buffers``).
 
     Raises:
-        TypeError: a name DDP does not have either (Python's message first).
+        TypeError: an option given by position (naming its keyword), not one
+            module, or a name DDP does not have either (Python's message first).
+        RuntimeError: a module replicate() is not applied to (the seed's message first where it refuses too).
         ValueError: a DDP argument replicate() cannot honour: why, and what
             to write instead (DDP's own message first where DDP refuses too).
     """
+    refuse_positional(positional)
+    _refuse_model(module)
     if unknown := sorted(set(arguments) - set(DDP_POSITIONAL_ORDER)):
         close = difflib.get_close_matches(unknown[0], [*own_names, *DDP_POSITIONAL_ORDER], n=1)
         hint = f"; did you mean {close[0]}=?" if close else ""
@@ -135,6 +201,7 @@ def translate(
             f"{DDP_DELAY_PAIR_TEXT} replicate(): both are accepted and change nothing (every parameter is "
             "averaged in bucket order), so the simplest fix is to drop both"
         )
+    options = {**own, "init_sync": True, "init_sync_buffers": None, "dim": 0}
     for name in DDP_POSITIONAL_ORDER:
         if name not in arguments:
             continue
@@ -144,7 +211,9 @@ def translate(
             warn_no_effect(name, shown, NO_EFFECT[name], stacklevel=_CALLER)
         if name in _HANDLERS:
             _HANDLERS[name](value, options, module)
-    return options
+    broadcast = True if options["broadcast_buffers"] is None else options["broadcast_buffers"]
+    init_sync_buffers = broadcast if options["init_sync_buffers"] is None else options["init_sync_buffers"]
+    return {**options, "broadcast_buffers": broadcast, "init_sync_buffers": init_sync_buffers}
 
 
 def _device_ids(value: Any, options: dict[str, Any], module: nn.Module) -> None:
@@ -194,7 +263,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def _dim(value: Any, options: dict[str, Any], module: nn.Module) -> None:
-    options["dim"] = value  # what model.dim answers (compat/ddp_surface.py); warned about in translate
+    options["dim"] = value  # what model.dim answers (compat/ddp_surface.py); warned about in ddp_options
 
 
 def _init_sync(value: Any, options: dict[str, Any], module: nn.Module) -> None:
@@ -251,7 +320,7 @@ def _forward_sync_buffers(value: Any, options: dict[str, Any], module: nn.Module
 
 # DDP's arguments accepted for DDP call sites that change nothing here, and why: a warning where one is set
 # (not None, False or 0). param_to_hook_all_reduce is warned about with delay_all_reduce_named_params, its
-# pair (checked together in translate).
+# pair (checked together in ddp_options).
 NO_EFFECT: Mapping[str, str] = MappingProxyType(
     {
         "dim": (
@@ -312,3 +381,19 @@ def refuse_module(module: nn.Module, ignored: tuple[nn.Module, ...], device_id: 
             f"{ddp_device_types_text(device_types)} replicate(): move the whole model to one device first "
             "(model.to(device)), or pass device_id= to have replicate() move it"
         )
+
+
+def group_of(
+    process_group: Optional[dist.ProcessGroup], mesh: Optional[DeviceMesh], device_mesh: Optional[DeviceMesh]
+) -> Optional[dist.ProcessGroup]:
+    """The group to average over: ``process_group=``, or the group of a mesh under either name (``device_mesh``: DDP's).
+
+    Raises:
+        ValueError: both ``mesh=`` and ``device_mesh=``.
+        TypeError / GroupOptionError: as ``config.resolve_group``'s.
+    """
+    if mesh is not None and device_mesh is not None:
+        raise ValueError("replicate(): pass mesh= or device_mesh= (DDP's name for it), not both")
+    return resolve_group(
+        process_group, mesh if device_mesh is None else device_mesh, "mesh" if device_mesh is None else "device_mesh"
+    )

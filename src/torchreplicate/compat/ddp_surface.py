@@ -381,7 +381,10 @@ class DDPSurface(DDPInternals):
         get_state(self).note_change()
 
     def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward takes rank 0's buffers (gradients or not), as DDP's ([Note: buffer sync])."""
+        """Whether the next forward takes rank 0's buffers (gradients or not), as DDP's.
+
+        See [Note: buffer sync] in core/buffers.py.
+        """
         state = get_state(self)
         return state.buffer_sync.wanted and bool(state.plan.buffers)
 

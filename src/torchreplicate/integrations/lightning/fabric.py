@@ -18,13 +18,12 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from torchreplicate.api import replicate
 from torchreplicate.core.registry import find_state
-from torchreplicate.integrations.lightning.trainer import NAME
-from torchreplicate.integrations.options import check_replicate_options, refuse_replicated
+from torchreplicate.integrations.lightning.strategy import ReplicatingStrategy
+from torchreplicate.integrations.options import check_replicate_options
 
 
-class ReplicateStrategy(DDPStrategy):
+class ReplicateStrategy(ReplicatingStrategy, DDPStrategy):
     """Data parallelism for ``Fabric`` with torchreplicate's reducer: ``Fabric(strategy=ReplicateStrategy())``.
 
     Args:
@@ -70,21 +69,9 @@ class ReplicateStrategy(DDPStrategy):
         )
         self._backward_sync_control = _ReplicateBackwardSyncControl()
 
-    @property
-    def replicate_options(self) -> dict[str, Any]:
-        """The options passed to ``replicate()`` (a copy)."""
-        return dict(self._replicate_options)
-
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]  # DDP there
         """Replicates ``module`` in place and returns it."""
-        refuse_replicated(module, type(self).__name__)
-        return replicate(module, **self._replicate_options)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers the strategy as ``"replicate"`` (done when this module is imported)."""
-        if NAME not in strategy_registry:
-            strategy_registry.register(NAME, cls, description="Data parallel with torchreplicate's replicate()")
+        return self._replicate(module)
 
 
 class _ReplicateBackwardSyncControl(_BackwardSyncControl):

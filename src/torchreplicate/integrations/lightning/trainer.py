@@ -23,16 +23,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 
-from torchreplicate.api import replicate
 from torchreplicate.core.registry import find_state
-from torchreplicate.integrations.options import check_replicate_options, refuse_replicated
+from torchreplicate.integrations.lightning.strategy import ReplicatingStrategy
+from torchreplicate.integrations.options import check_replicate_options
 
 log = logging.getLogger(__name__)
 
-NAME = "replicate"  # strategy="replicate"
 
-
-class ReplicateStrategy(DDPStrategy):
+class ReplicateStrategy(ReplicatingStrategy, DDPStrategy):
     """Data parallelism for ``Trainer`` with torchreplicate's reducer: ``Trainer(strategy=ReplicateStrategy())``.
 
     Args:
@@ -80,18 +78,11 @@ class ReplicateStrategy(DDPStrategy):
         # the module this strategy replicated: a second fit() with the same Trainer finds it so
         self._replicated_model: Optional[nn.Module] = None
 
-    @property
-    def replicate_options(self) -> dict[str, Any]:
-        """The options passed to ``replicate()`` (a copy)."""
-        return dict(self._replicate_options)
-
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # DDPStrategy wraps in DDP
         if find_state(model) is not None and model is self._replicated_model:
             return model  # a second fit() with this strategy: already ours
-        refuse_replicated(model, type(self).__name__)
         log.debug(f"{type(self).__name__}: replicate(model, **{self._replicate_options})")
-        replicate(model, **self._replicate_options)
-        self._replicated_model = model
+        self._replicated_model = self._replicate(model)
         return model
 
     def _register_ddp_hooks(self) -> None:
@@ -116,12 +107,6 @@ class ReplicateStrategy(DDPStrategy):
         # no_sync(): a ReplicateModule method
         with nullcontext() if module is None or find_state(module) is None else module.no_sync():  # type: ignore[operator]
             yield
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers the strategy as ``"replicate"`` (done when this module is imported)."""
-        if NAME not in strategy_registry:
-            strategy_registry.register(NAME, cls, description="Data parallel with torchreplicate's replicate()")
 
 
 def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwargs: Any) -> Any:
