@@ -113,7 +113,7 @@ def with_reducer(model: nn.Module, **options: Any) -> nn.Module:
     replicated = replicate(model, **options)
     state = replicate.state(replicated)
     if state.reducer is None:
-        state.reducer = state.build_reducer()
+        state.make_reducer()
     return replicated
 
 

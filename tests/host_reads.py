@@ -119,7 +119,7 @@ class Shape:
         self.model = replicate(net, **options)
         state = replicate.state(self.model)
         if force_reducer and state.reducer is None:
-            state.reducer = state.build_reducer()
+            state.make_reducer()
         if pattern == "hook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -63,7 +63,7 @@ def replicated(rank: int, device: torch.device, **options: object) -> nn.Module:
     model = replicate(seeded(Wide, 1 + rank).to(device), bucket_cap_mb=CAP_MB, **options)
     state = replicate.state(model)
     if state.reducer is None:
-        state.reducer = state.build_reducer()
+        state.make_reducer()
     return model
 
 

@@ -158,7 +158,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """Our reducer for a module ``replicate()`` wrapped at world size 1, where it builds none.
 
-    Built by the state's own ``build_reducer``, so it gets
+    Made by the state's own ``make_reducer``, so it gets
     exactly the options and collaborators ``replicate()`` gives a reducer at
     world size 2, whatever the constructor takes. The state does not hold it,
     so ``replicate()``'s forward hooks behave as in the ``ours`` engine; the
@@ -166,4 +166,7 @@ def build_internal_reducer(replicated: nn.Module) -> Reducer:
     """
     state = replicate.state(replicated)
     assert state.reducer is None, "replicate() builds no reducer at world size 1"
-    return state.build_reducer(None)
+    state.make_reducer()
+    reducer, state.reducer = state.reducer, None  # the engine holds it, not the state
+    assert reducer is not None
+    return reducer

@@ -36,11 +36,10 @@ from torchreplicate.core.checks import verify_params_across_ranks
 from torchreplicate.core.nested import is_fully_sharded
 from torchreplicate.core.plan import Plan, ignored_names, make_plan
 from torchreplicate.core.tied import TiedUses, tied_params
-from torchreplicate.errors import foreign_hook_error
 from torchreplicate.faults.watchdog import StallWatch
 from torchreplicate.faults.wire import Watch, WeakGroup
 from torchreplicate.lifecycle import Learned, Lifecycle, SyncSwitch
-from torchreplicate.reducer.bucket import Bucket, CopyBucket, DividingViewBucket, ParamSlot, ViewBucket
+from torchreplicate.reducer.bucket import bucket_kind, make_slots
 from torchreplicate.reducer.dtensors import check_mesh_apart, is_dtensor, local
 from torchreplicate.reducer.flags import TrainingClock
 from torchreplicate.reducer.layout.policy import LayoutPolicy
@@ -49,7 +48,6 @@ from torchreplicate.reducer.reducer import Reducer
 from torchreplicate.reducer.reduction import AllReduce, Reduction
 from torchreplicate.reducer.sparse import SparseGrads
 from torchreplicate.reducer.tied_rows import TiedRows
-from torchreplicate.torch_internals import num_post_accumulate_grad_hooks
 
 
 def process_group(given: Optional[WeakGroup]) -> WeakGroup:
@@ -251,24 +249,3 @@ def to_split(root: nn.Module, plan: Plan, reduction: Reduction, mixed: bool) -> 
         if group == 0 and id(p) not in plan.sparse and not is_dtensor(p)
     )
     return frozenset(tied_params(root, params))
-
-
-def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: dict[int, int]) -> list[ParamSlot]:
-    """One slot per parameter, with the firing counts an earlier reducer learned (by ``id``).
-
-    Raises:
-        ValueError: a parameter carries a post-accumulate-grad hook of its own.
-    """
-    slots = [ParamSlot(i, p, n, expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))]
-    for slot in slots:
-        if num_post_accumulate_grad_hooks(slot.param):
-            raise foreign_hook_error(slot.name)
-    return slots
-
-
-def bucket_kind(gradient_as_bucket_view: Optional[bool]) -> type[Bucket]:
-    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives, and
-    DDP's arithmetic for the same argument (None, the default: views, with DDP's default arithmetic)."""
-    if gradient_as_bucket_view is None:
-        return ViewBucket
-    return DividingViewBucket if gradient_as_bucket_view else CopyBucket

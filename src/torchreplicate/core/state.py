@@ -199,7 +199,7 @@ class ReplicateState:
                     "first forward)"
                 )
             self.reduction = reduction
-            self.reducer = self.build_reducer(None)
+            self.make_reducer(None)
         else:
             self.reducer.use_reduction(reduction)
             self.reduction = reduction
@@ -232,9 +232,7 @@ class ReplicateState:
         if self.mixed is not None:
             self.mixed.remove()
         self.drop_tied()
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-            self.reducer = None
+        self._let_go_of_reducer()
 
     @property
     def hook_handles(self) -> tuple[RemovableHandle, ...]:
@@ -270,9 +268,7 @@ class ReplicateState:
             )
         self._outer = weakref.ref(outer)
         self.lifecycle.now = TrainingState.NESTED
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-            self.reducer = None
+        self._let_go_of_reducer()
         if self.mixed is not None:
             self.mixed.remove()
         self.probe.watch.stop()
@@ -349,12 +345,8 @@ class ReplicateState:
         group = self.group
         reduces = bool(plan.params) and (dist.get_world_size(group) > 1 or isinstance(self.reduction, HookReduction))
         setup.refuse_unreducible(plan, group, reduces)  # before anything changes: a refused plan leaves the old
-        learned: Optional[Learned] = None
         self.drop_tied()
-        if self.reducer is not None:
-            learned = self.reducer.learned
-            self.reducer.remove_hooks()
-            self.reducer = None
+        learned = self._let_go_of_reducer()
         if self.lifecycle.now in (TrainingState.BACKWARD, TrainingState.FINALIZING):
             self.lifecycle.now = TrainingState.IDLE  # a step the old reducer never ended (its backward raised)
         self.plan = plan
@@ -370,18 +362,24 @@ class ReplicateState:
             weakref.finalize(self, watch.leave, "released its replica").atexit = False
         self.clock.held.watch = watch
         if reduces:
-            self.reducer = self.build_reducer(learned)
+            self.make_reducer(learned)
         self.tied = setup.tied_uses(self.module, self.reducer, self.lifecycle)
         buffers = plan.buffers if self.world_size > 1 else ()
         self.buffer_sync.install(buffers, self.weak_group, self.probe, self.clock.held)
 
-    def build_reducer(self, learned: Optional[Learned] = None) -> Reducer:
-        """A reducer for the current plan and options (setup.py's ``build_reducer``), not installed.
+    def _let_go_of_reducer(self) -> Optional[Learned]:
+        # Detaches the reducer (its gradient hooks removed); returns what it learned, for its successor.
+        reducer, self.reducer = self.reducer, None
+        if reducer is None:
+            return None
+        reducer.remove_hooks()
+        return reducer.learned
 
-        Args:
-            learned: what a previous reducer learned, or None. Default None.
-        """
-        return setup.build_reducer(
+    def make_reducer(self, learned: Optional[Learned] = None) -> None:
+        """Makes the module's reducer (the one place it is made) for the current plan and options
+        (setup.py's ``build_reducer``), handed what a previous one ``learned``; at world size 1, where
+        none is made unless a comm hook asks, a test may ask for one."""
+        self.reducer = setup.build_reducer(
             self.module,
             self.plan,
             self.config,

@@ -66,15 +66,17 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import nn
 
-from torchreplicate.errors import changed_since_plan, some_names
+from torchreplicate.errors import changed_since_plan, foreign_hook_error, some_names
 from torchreplicate.reducer.dtensors import grad_wrapper, is_dtensor, local, local_grad
 from torchreplicate.torch_internals import (
     copy_into,
     in_backward_optimizers,
+    num_post_accumulate_grad_hooks,
     remove_in_backward_optimizer_hooks,
 )
 
 if TYPE_CHECKING:
+    from torchreplicate.reducer.layout.plan import BucketSpec
     from torchreplicate.reducer.reduction import Reduction
 
 
@@ -587,3 +589,44 @@ class DividingViewBucket(ViewBucket):
     is its view when the bucket leaves (``zero_grad(set_to_none=False)``) is divided in place."""
 
     divides_views = True
+
+
+def make_slots(params: Sequence[nn.Parameter], names: Sequence[str], expected: dict[int, int]) -> list[ParamSlot]:
+    """One slot per parameter, with the firing counts an earlier reducer learned (by ``id``).
+
+    Raises:
+        ValueError: a parameter carries a post-accumulate-grad hook of its own.
+    """
+    slots = [ParamSlot(i, p, n, expected.get(id(p), 0)) for i, (p, n) in enumerate(zip(params, names, strict=True))]
+    for slot in slots:
+        if num_post_accumulate_grad_hooks(slot.param):
+            raise foreign_hook_error(slot.name)
+    return slots
+
+
+def bucket_kind(gradient_as_bucket_view: Optional[bool]) -> type[Bucket]:
+    """The buckets ``replicate(gradient_as_bucket_view=...)`` asks for: where ``.grad`` lives, and
+    DDP's arithmetic for the same argument (None, the default: views, with DDP's default arithmetic)."""
+    if gradient_as_bucket_view is None:
+        return ViewBucket
+    return DividingViewBucket if gradient_as_bucket_view else CopyBucket
+
+
+def build_buckets(
+    kind: type[Bucket], slots: Sequence[ParamSlot], specs: Sequence[BucketSpec], room: int
+) -> list[Bucket]:
+    """The buckets of a layout: one ``kind`` per spec (layout/plan.py's ``BucketSpec``: which of ``slots``,
+    in what dtype, where), in launch order.
+
+    Args:
+        kind: where ``.grad`` lives (``bucket_kind``).
+        slots: the dense slots the specs index.
+        specs: the layout.
+        room: elements for the step's flags after the last bucket's gradients, given only where that
+            bucket sums exactly in float32 or float64 ([Note: the flags carried] in flags.py).
+    """
+    room = room if specs and specs[-1].dtype in (torch.float32, torch.float64) else 0
+    return [
+        kind(index, [slots[i] for i in spec.param_indices], spec.dtype, spec.device, room if spec is specs[-1] else 0)
+        for index, spec in enumerate(specs)
+    ]

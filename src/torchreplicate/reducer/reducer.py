@@ -115,11 +115,12 @@ from torchreplicate.reducer.bucket import (
     Bucket,
     ParamSlot,
     adopt_in_backward_optimizers,
+    build_buckets,
     step_in_backward_optimizers,
 )
 from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest, num_flags
 from torchreplicate.reducer.layout import policy as layout_policy
-from torchreplicate.reducer.layout.policy import LayoutPolicy, build_buckets, learn_layout, retune_cap, settle_tied
+from torchreplicate.reducer.layout.policy import LayoutPolicy, layout_specs, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, StepEvent, labelled
 from torchreplicate.reducer.reduction import BucketTensors, Reduction
 from torchreplicate.reducer.rounds import LATE_ROUND, Round, RoundInputs
@@ -136,12 +137,12 @@ class Reducer:
     rounds' parameters, the layout policy).
 
     Args:
-        slots: one per parameter to reduce, in registration order (core/setup.py's ``make_slots``).
+        slots: one per parameter to reduce, in registration order (bucket.py's ``make_slots``).
         group: the process group to reduce over.
         policy: how the dense slots are laid out in buckets, and what is still to learn (layout/policy.py).
         sparse: the slots with sparse gradients, reduced outside the buckets (sparse.py).
         tied_rows: the tied parameters split by rows ([Note: tied parameters] in tied_rows.py).
-        bucket_kind: where ``.grad`` lives (a bucket.py class: core/setup.py's ``bucket_kind``).
+        bucket_kind: where ``.grad`` lives (a bucket.py class: its ``bucket_kind``).
         reduction: how buckets are reduced (reduction.py); bound here.
         lifecycle: where the module is in its step; the reducer moves it through a synchronised backward.
         sync: the module's gradient-sync switch.
@@ -181,7 +182,7 @@ class Reducer:
         self.reduction = reduction
         # how buckets are laid out, and what the first step still has to learn ([Note: tuning])
         self.layout_policy = policy
-        self.buckets = build_buckets(policy, bucket_kind, self._flags_room())
+        self.buckets = self._new_buckets()
         self.in_backward_optimizer_slots = adopt_in_backward_optimizers(self.slots)
         self._group = WeakGroup(group)  # held weakly: faults/wire.py
         self._clock = clock
@@ -287,10 +288,13 @@ class Reducer:
         wire = reduction.wire_bytes() if tensors else 0
         self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
 
-    def _flags_room(self) -> int:
-        # Room for the flags in the last bucket: where the layout is not DDP's, whose buckets carry DDP's
-        # bytes and nothing else ([Note: the flags carried] in flags.py), and the reduction sums it as it is.
-        return num_flags(len(self.slots)) if not self.layout_policy.ddp and self.reduction.carries_flags() else 0
+    def _new_buckets(self) -> list[Bucket]:
+        # The buckets the policy lays out now (bucket.py builds them from the layout's specs), with room for
+        # the flags in the last: where the layout is not DDP's, whose buckets carry DDP's bytes and nothing
+        # else ([Note: the flags carried] in flags.py), and the reduction sums it as it is.
+        policy = self.layout_policy
+        room = num_flags(len(self.slots)) if not policy.ddp and self.reduction.carries_flags() else 0
+        return build_buckets(self.bucket_kind, policy.dense, layout_specs(policy), room)
 
     def remove_hooks(self) -> None:
         """Detaches the reducer from its parameters (before a re-plan)."""
@@ -624,7 +628,7 @@ class Reducer:
     def _rebuild_buckets(self) -> None:
         # A new layout from the policy; .grad moves from the old buckets into the new, on the current
         # stream, which the old buffers are kept for (Bucket.retire).
-        old, buckets = self.buckets, build_buckets(self.layout_policy, self.bucket_kind, self._flags_room())
+        old, buckets = self.buckets, self._new_buckets()
         self.buckets = buckets
         for bucket in buckets:
             bucket.adopt_grads()

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
 from torchreplicate.faults.wire import Watch, broadcast
-from torchreplicate.reducer.bucket import Bucket, ParamSlot
+from torchreplicate.reducer.bucket import ParamSlot
 from torchreplicate.reducer.dtensors import local
 from torchreplicate.reducer.layout.link import LinkModel, choose_cap, measure_link
 from torchreplicate.reducer.layout.plan import (
@@ -197,24 +197,10 @@ class LayoutPolicy:
         return sum(p.numel() * p.element_size() for p in (local(slot.param) for slot in self.dense))
 
 
-def build_buckets(policy: LayoutPolicy, kind: type[Bucket], flags_room: int = 0) -> list[Bucket]:
-    """The buckets ``policy`` lays out now (none where no slot is dense: only sparse gradients).
-
-    Args:
-        policy: the layout policy (its dense slots, order, caps, groups).
-        kind: where ``.grad`` lives (core/setup.py's ``bucket_kind``).
-        flags_room: elements for the step's flags after the last bucket's gradients, given only where
-            that bucket sums exactly in float32 or float64 ([Note: the flags carried] in flags.py). Default 0.
-    """
-    dense = policy.dense
-    if not dense:
-        return []
-    specs = scheduled_layout(policy) or policy.plan()
-    room = flags_room if specs[-1].dtype in (torch.float32, torch.float64) else 0
-    return [
-        kind(index, [dense[i] for i in spec.param_indices], spec.dtype, spec.device, room if spec is specs[-1] else 0)
-        for index, spec in enumerate(specs)
-    ]
+def layout_specs(policy: LayoutPolicy) -> list[BucketSpec]:
+    """The buckets ``policy`` lays out now, as specs (bucket.py's ``build_buckets`` makes them); none where
+    no slot is dense (only sparse gradients)."""
+    return (scheduled_layout(policy) or policy.plan()) if policy.dense else []
 
 
 def plan_layout(policy: LayoutPolicy, cap_bytes: int, first_cap_bytes: int) -> list[BucketSpec]:
