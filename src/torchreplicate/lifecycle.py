@@ -27,7 +27,8 @@ class TrainingState(enum.Enum):
     # the end-of-backward callback (Reducer._finalize): remaining launches, waits, the flags, the rounds, learning
     FINALIZING = "finalizing"
     SHADOWING = "shadowing"  # a joined rank in Join's main_hook runs the others' collectives with zeros
-    NESTED = "nested"  # an enclosing replicated module reduces this one ([Note: nested replicate]); permanent
+    # an enclosing replicated module reduces this one ([Note: nested replicate] in core/nested.py); permanent
+    NESTED = "nested"
 
 
 class Lifecycle:

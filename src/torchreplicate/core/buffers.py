@@ -113,7 +113,8 @@ class BufferSync:
 
     def install(self, refs: Sequence[BufferRef], group: WeakGroup, probe: Probe, held: HeldWorks) -> None:
         """At each plan: the replicated buffers (none at world size 1), the group, the module's probe, and
-        its works kept past a step (the broadcast sent ahead is one: [Note: works kept past a step])."""
+        its works kept past a step (the broadcast sent ahead is one: [Note: works kept past a step] in
+        faults/wire.py)."""
         self.staged = None  # staged for the old plan's buffers (their works are kept: held)
         self.sent = False
         self.refs = tuple(refs)
@@ -206,7 +207,7 @@ class StagedBuffers:
         self.source = dist.get_rank(group) == 0
         self.chunks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flat, members)
         with torch.no_grad():
-            for members in (c for on_device in _by_device(self.values).values() for c in _chunks(on_device)):
+            for members in _pieces(self.values):
                 flat = (
                     _pack_bytes(members)
                     if self.source
@@ -247,7 +248,7 @@ def broadcast_coalesced(
 
     Every tensor takes the broadcast value in place.
     """
-    for members in (chunk for on_device in _by_device(tensors).values() for chunk in _chunks(on_device)):
+    for members in _pieces(tensors):
         flat = _pack_bytes(members)
         watch.wait(broadcast(flat, group, src_rank))
         _unpack_bytes(flat, members)
@@ -261,12 +262,13 @@ def _versions(tensors: Sequence[torch.Tensor]) -> list[int]:
     return [version_of(tensor) for tensor in tensors]
 
 
-def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    # In order, by device (the tensors themselves: every caller writes them under no_grad).
+def _pieces(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    # What one broadcast carries: in order, by device, in runs of at most CHUNK_BYTES (the tensors
+    # themselves: every caller writes them under no_grad).
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_device.setdefault(tensor.device, []).append(tensor)
-    return by_device
+    return [chunk for on_device in by_device.values() for chunk in _chunks(on_device)]
 
 
 def _unpack_bytes(flat: torch.Tensor, members: Sequence[torch.Tensor], only: Optional[set[int]] = None) -> None:

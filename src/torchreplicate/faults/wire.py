@@ -67,7 +67,7 @@ class WeakGroup(weakref.ref["dist.ProcessGroup"]):
     __slots__ = ("name",)
 
     def __init__(self, group: dist.ProcessGroup) -> None:  # weakref.ref's __new__ took the group
-        self.name = group.group_name  # how traced code names it ([Note: compiled autograd])
+        self.name = group.group_name  # how traced code names it ([Note: compiled autograd] in reducer/reduction.py)
 
     def get(self) -> dist.ProcessGroup:
         """The group; RuntimeError if it was destroyed."""
@@ -95,7 +95,7 @@ class Watch:
 
     The plain watch waits plainly and names nobody; ``StallWatch``
     (watchdog.py) looks at the peers when a wait lasts and names them when a
-    collective fails ([Note: stall watchdog]).
+    collective fails ([Note: stall watchdog] in watchdog.py).
     """
 
     sliced = False  # waits in slices, looking at the peers between them (the stall watchdog, on gloo)

@@ -522,7 +522,7 @@ class StepFlags:
         rest = self.tail[self.num_params :]
         staged.stage(rest, self.host_views[self.turn], work, watch, step, self.clock.steps, late_params)
         if work is not None and staged.event is None:
-            held.hold(work)  # on the host: waited at the next release ([Note: works kept past a step])
+            held.hold(work)  # waited at the next release ([Note: works kept past a step] in faults/wire.py)
         self.turn ^= 1
         return FlagSums(unused, any_late=False)
 
