@@ -185,7 +185,9 @@ def test_schedule_follows_the_link():
 class _NoReduction:
     # A bucket's reduction is only asked to launch and wait; these tests take gradients in.
     def __init__(self, divide_factor: float) -> None:
-        self.divide_factor = divide_factor
+        from torchreplicate.reducer.reduction import Divisor
+
+        self.divisor = Divisor(divide_factor)
 
     def launch(self, index: int) -> None:
         raise AssertionError("not launched in this test")
@@ -197,8 +199,7 @@ class _NoReduction:
 def _one_slot_bucket(dtype, divisor, expected, numel=5000):
     from torch import nn
 
-    from torchreplicate.core.setup import make_slots
-    from torchreplicate.reducer.bucket import BATCH_NUMEL, ViewBucket
+    from torchreplicate.reducer.bucket import BATCH_NUMEL, ViewBucket, make_slots
 
     param = nn.Parameter(torch.zeros(numel, dtype=dtype))
     (slot,) = make_slots([param], ["w"], {id(param): expected})

@@ -299,7 +299,7 @@ def test_calibration_sends_at_most_the_models_gradient_bytes(pools, model_name):
 def _gpt_like_policy(bytes_per_s: float) -> LayoutPolicy:
     # A tied table (8 MiB, position 0) ready first with the split, then 18 layers of 1 MiB over
     # 120 ms of backward: the first step as the forward's detached lookup makes it.
-    from torchreplicate.core.setup import make_slots
+    from torchreplicate.reducer.bucket import make_slots
 
     params = [nn.Parameter(torch.zeros(2 * 2**20))] + [nn.Parameter(torch.zeros(2**18)) for _ in range(18)]
     policy = LayoutPolicy(make_slots(params, [f"p{i}" for i in range(19)], {}), None, None, 2**20, layout="tuned")

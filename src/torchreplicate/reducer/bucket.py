@@ -380,18 +380,18 @@ class Bucket:
     def _scale_in_place(self) -> None:
         # At launch, the slots not scaled on the way in ([Note: the mean is taken on the way in] in
         # reduction.py), with DDP's arithmetic: a gradient DDP copies into its bucket view is multiplied
-        # by 1 / divide_factor; one that already is its view (gradient_as_bucket_view=True) is divided.
+        # by the divisor's reciprocal; one that already is its view (gradient_as_bucket_view=True) is divided.
         scale, divide = self.scale, self.divides_views
         assert scale is not None, "launch scales only where the reduction wants it"
         if not divide and (self.batched or not any(slot.absorbed for slot in self.slots)):
             self.grads.mul_(scale)  # one pass over the bucket: the usual case
             return
-        factor = self.reduction.divide_factor
+        divisor = self.reduction.divisor
         for slot in self.slots:
             if slot.absorbed:
                 continue
             if divide and not slot.moved:
-                slot.view.div_(factor)
+                divisor.divide(slot.view)
             else:
                 slot.view.mul_(scale)
 
@@ -514,7 +514,7 @@ class ViewBucket(Bucket):
             slot.view.add_(grad)  # type: ignore[arg-type]
         else:
             # the divisor as a Python float, as before the bucket owned the step: bitwise in bf16/fp16 too
-            slot.view.add_(grad, alpha=1.0 / self.reduction.divide_factor)  # type: ignore[arg-type]
+            slot.view.add_(grad, alpha=1.0 / self.reduction.divisor.value)  # type: ignore[arg-type]
         param.grad = None
 
     def _detach(self) -> None:

@@ -242,8 +242,8 @@ class Reducer:
 
     def _round_inputs(self, sums: FlagSums, late_grads: dict[int, torch.Tensor]) -> RoundInputs:
         """What the rounds of this step read, once the buckets are back and the flags summed."""
-        divide_factor = self.reduction.divide_factor
-        return RoundInputs(self.buckets, self.group, divide_factor, self.probe, self.num_steps, sums, late_grads)
+        divisor = self.reduction.divisor
+        return RoundInputs(self.buckets, self.group, divisor, self.probe, self.num_steps, sums, late_grads)
 
     def where(self, bucket: Bucket) -> str:
         """Rank, step and parameters, for errors a user must trace to a layer."""
@@ -256,7 +256,7 @@ class Reducer:
 
     def set_divide_factor(self, divide_factor: Optional[float]) -> None:
         """The divisor of the sum from now on (a Join: the ranks still training); None: the default."""
-        self.reduction.set_divide_factor(divide_factor)  # the scales, shared with the buckets, change in place
+        self.reduction.divisor.set(divide_factor)  # its scales, shared with the buckets, change in place
 
     # -- set-up ----------------------------------------------------------------
 

@@ -52,6 +52,47 @@ class BucketTensors(NamedTuple):
         return self.buffer[: self.numel]
 
 
+class Divisor:
+    """The one divisor of a module's summed gradients: ``replicate(gradient_divide_factor=)``, else the world
+    size (the mean); inside a ``Join``, the ranks still training (core/join.py). Applied with DDP's two
+    arithmetics, each where DDP applies it ([Note: the mean is taken on the way in]): a gradient copied
+    into its bucket is multiplied by the reciprocal (``scale``); one that already is its bucket view, a late
+    sum and a sparse sum are divided (``divide``).
+
+    Args:
+        default: the divisor outside a Join.
+    """
+
+    __slots__ = ("default", "value", "_scales")
+
+    def __init__(self, default: float) -> None:
+        self.default = self.value = default
+        # 1 / value as a 0-dim tensor per math dtype: bitwise the same product as the Python float, without
+        # wrapping a scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply); on the host even for
+        # a GPU bucket: a CPU scalar, which CUDA kernels take as DDP's Python number
+        self._scales: dict[torch.dtype, torch.Tensor] = {}
+
+    def scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """1 / the divisor, to multiply a ``dtype`` tensor by (real even for a complex one: exact per part); the
+        same tensor, changed in place with the divisor (``set``)."""
+        math = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
+        if (scale := self._scales.get(math)) is None:
+            scale = self._scales[math] = torch.tensor(1.0 / self.value, dtype=math)
+        return scale
+
+    def divide(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, divided in place (DDP's arithmetic where it divides)."""
+        return tensor.div_(self.value)
+
+    def set(self, value: Optional[float]) -> None:
+        """The divisor from now on (a Join: the ranks still training); None: the default."""
+        value = self.default if value is None else value
+        if value != self.value:
+            self.value = value
+            for scale in self._scales.values():
+                scale.fill_(1.0 / value)
+
+
 class Reduction:
     """The interface: how a bucket's gradients travel and become their average.
 
@@ -60,7 +101,7 @@ class Reduction:
     a module.
     """
 
-    divide_factor: float = 1.0  # the late round divides its sum by this (set by bind)
+    divisor = Divisor(1.0)  # the one divisor of the sums (set by bind)
     weak_group: WeakGroup  # the group the collectives run on (set by bind)
     flags_after_waits = False  # the flags' all-reduce waits until every bucket is back (comm hooks)
 
@@ -86,9 +127,6 @@ class Reduction:
         """Waits for bucket ``index``; its gradients then hold the reduced average (launched with ``zeros``: the
         bucket is left alone, and the reduced tensor of its own is returned)."""
         raise NotImplementedError
-
-    def set_divide_factor(self, divide_factor: Optional[float]) -> None:
-        """Changes the divisor (uneven inputs: the ranks still training; join.py); None: back to the default."""
 
     def traced(self, grad: torch.Tensor, group_name: str) -> torch.Tensor:
         """Under compiled autograd: the average of ``grad``, as a traceable expression ([Note: compiled autograd]).
@@ -126,8 +164,8 @@ class AllReduce(Reduction):
     (``.grad`` already the view, accumulated under ``no_sync``) are scaled in
     place just before the bucket is launched (``Bucket.launch``). In copy
     mode the copy into the slot at launch is the scaling pass. The scale is
-    the reduction's (``scale``: a 0-dim tensor per bucket, changed in place
-    by ``set_divide_factor``); the bucket applies it. Late gradients are
+    the reduction's divisor's (``Divisor.scale``: a 0-dim tensor, changed in
+    place with the divisor); the bucket applies it. Late gradients are
     unscaled and divided after their own round.
 
     Args:
@@ -147,17 +185,14 @@ class AllReduce(Reduction):
         # Per bucket, what the collective reduces: the bucket's buffer itself, or
         # a copy in the reduce dtype (flags' room included).
         self.wires: list[torch.Tensor] = []
-        # Per bucket, 1 / divide_factor as a 0-dim tensor in the multiply's math
-        # dtype: bitwise the same product as the Python float, without wrapping
-        # a scalar on every call (measured: 2.2 -> 0.9 us per fp32 multiply).
-        self.scales: list[torch.Tensor] = []
 
     def bind(self, buckets: Sequence[BucketTensors], group: WeakGroup, watch: Watch) -> None:
         self.weak_group = group
         self._watch = watch
         self._buckets = buckets
-        self.divide_factor = self._default_divide_factor()
-        self.wires, self.scales = [], []
+        # replicate(gradient_divide_factor=...), else the world size: the mean
+        self.divisor = Divisor(float(self.gradient_divide_factor or dist.get_world_size(group.get())))
+        self.wires = []
         for bucket in buckets:
             buffer = bucket.buffer
             wire = buffer
@@ -166,25 +201,9 @@ class AllReduce(Reduction):
                     raise complex_wire_error(bucket.names[0], buffer.dtype, self.reduce_dtype)
                 wire = torch.zeros(buffer.numel(), dtype=self.reduce_dtype, device=buffer.device)
             self.wires.append(wire)
-            # real even for a complex bucket: a complex times a real scale is exact per part; on the
-            # host even for a GPU bucket: a CPU scalar, which CUDA kernels take as DDP's Python number
-            math_dtype = torch.float64 if buffer.dtype in (torch.float64, torch.complex128) else torch.float32
-            self.scales.append(torch.tensor(1.0 / self.divide_factor, dtype=math_dtype))
 
     def scale(self, index: int) -> Optional[torch.Tensor]:
-        return self.scales[index]
-
-    def _default_divide_factor(self) -> float:
-        # replicate(gradient_divide_factor=...), else the world size: the mean
-        return float(self.gradient_divide_factor or dist.get_world_size(self.weak_group.get()))
-
-    def set_divide_factor(self, divide_factor: Optional[float]) -> None:
-        if divide_factor is None:
-            divide_factor = self._default_divide_factor()
-        if divide_factor != self.divide_factor:
-            self.divide_factor = divide_factor
-            for scale in self.scales:
-                scale.fill_(1.0 / divide_factor)
+        return self.divisor.scale(self._buckets[index].buffer.dtype)
 
     def wire_bytes(self) -> int:
         return sum(wire.numel() * wire.element_size() for wire in self.wires)  # in the reduce dtype
@@ -203,7 +222,7 @@ class AllReduce(Reduction):
         # produce a gradient for the same parameters each step (no unused
         # parameters), and no comm hook (refused at trace time; docs/modern-stack.md:
         # Compiled autograd).
-        mean = grad / self.divide_factor
+        mean = grad / self.divisor.value
         if self.reduce_dtype is not None:
             mean = mean.to(self.reduce_dtype)
         return traced_all_reduce(mean, group_name)  # the caller's copy_ casts back
@@ -289,7 +308,7 @@ class HookReduction(Reduction):
         # only the flags' all-reduce is watched (docs/faults.md).
         self.weak_group = group
         self._buckets = buckets
-        self.divide_factor = float(dist.get_world_size(group.get()))  # the hook takes the mean
+        self.divisor = Divisor(float(dist.get_world_size(group.get())))  # the hook takes the mean
 
     def wire_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)

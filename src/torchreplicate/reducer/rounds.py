@@ -26,6 +26,7 @@ from torchreplicate.lifecycle import TrainingState
 from torchreplicate.reducer.bucket import Bucket
 from torchreplicate.reducer.flags import FlagSums
 from torchreplicate.reducer.probe import Probe, StepEvent
+from torchreplicate.reducer.reduction import Divisor
 
 
 class RoundInputs(NamedTuple):
@@ -34,7 +35,7 @@ class RoundInputs(NamedTuple):
     Attributes:
         buckets: the reducer's buckets, in launch order.
         group: the process group.
-        divide_factor: the divisor of the sum (the reduction's).
+        divisor: the divisor of the sums (the reduction's).
         probe: the module's probe: watchdog notes and profiler labels; its
             ``watch`` waits each collective.
         step: the step's number (the reducer's ``num_steps``).
@@ -45,7 +46,7 @@ class RoundInputs(NamedTuple):
 
     buckets: Sequence[Bucket]
     group: dist.ProcessGroup
-    divide_factor: float
+    divisor: Divisor
     probe: Probe
     step: int
     sums: FlagSums
@@ -81,7 +82,7 @@ class LateRound:
             end.probe.emit(StepEvent.LATE_ROUND, 1)
             for bucket in end.buckets:
                 end.probe.watch.wait(all_reduce(extra := bucket.late_sum(end.late_grads), end.group))
-                bucket.add_to_grads(extra.div_(end.divide_factor))
+                bucket.add_to_grads(end.divisor.divide(extra))
             end.probe.emit(StepEvent.LATE_ROUND, 0)
 
     def shadow(self, end: RoundInputs) -> None:

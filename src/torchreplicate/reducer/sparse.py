@@ -54,7 +54,7 @@ class SparseGrads:
                     " but got a dense one; set the module's sparse flag before replicate() and keep it"
                 )
             end.probe.watch.wait(all_reduce(summed := grad.coalesce().clone(), end.group))
-            param.grad = None if slot.index in end.sums.unused_everywhere else (summed / end.divide_factor).coalesce()
+            param.grad = None if slot.index in end.sums.unused_everywhere else end.divisor.divide(summed).coalesce()
 
     def shadow(self, end: RoundInputs) -> None:
         """A joined rank's part (join.py): an empty gradient for every sparse parameter."""

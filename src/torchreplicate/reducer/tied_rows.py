@@ -104,7 +104,7 @@ class TiedRows:
         end.probe.at(Place(TrainingState.FINALIZING, end.step, collective=Collective.TIED_ROWS))
         with end.probe.span("tied_rows"):
             started = time.perf_counter_ns()
-            group, watch, divide_factor = end.group, end.probe.watch, end.divide_factor
+            group, watch, divisor = end.group, end.probe.watch, end.divisor
             kept, self.kept = self.kept, {}
             for slot, picked in zip(self.slots, self._agree_rows(group, watch, kept), strict=True):
                 if picked.numel() == 0:
@@ -113,7 +113,7 @@ class TiedRows:
                 if grad is None:
                     mean = param.new_zeros((picked.numel(), *_row_shape(param)))
                 else:
-                    mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(1.0 / divide_factor)
+                    mean = grad.reshape(_num_rows(param), -1).index_select(0, picked).mul_(divisor.scale(grad.dtype))
                 # scaled on the way in, as the buckets ([Note: the mean is taken on the way in] in reduction.py)
                 watch.wait(all_reduce(mean, group))
                 slot.bucket.add_rows(slot, picked, mean)
