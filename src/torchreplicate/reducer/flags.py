@@ -95,6 +95,7 @@ re-plan or the end of training are not read.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -356,6 +357,16 @@ def raise_on_desync(
         raise desync_error(gather_objects(mine, group(), device), mine.rank, step, clocks_agree)
 
 
+class FlagRoute(enum.Enum):
+    """Where a step's flags travel, chosen once per bucket layout (``StepFlags``, at the reducer's bind),
+    the same on every rank: the collective sequence is one ([Note: one collective sequence] in reducer.py).
+    """
+
+    CARRIED = "carried"  # in the last bucket's room, summed with it ([Note: the flags carried])
+    AFTER_LAST = "after the last bucket"  # their own collective, right after the last bucket's launch (DDP's layout)
+    AFTER_WAITS = "after every wait"  # their own collective once every bucket is back (a comm hook's futures)
+
+
 class StepFlags:
     """Writes this rank's flags, sums them across ranks, and reads the sums back.
 
@@ -373,7 +384,9 @@ class StepFlags:
         layout_digest: a digest of the bucket layout, equal on ranks that agree.
         clock: the module's training clock, sent at every write.
         carrier: the last bucket's room, where the flags travel with its gradients ([Note: the flags
-            carried]); None (DDP's layout, a comm hook, a wire dtype): in an all-reduce of their own.
+            carried]); None (DDP's layout, a comm hook, a wire dtype): in a collective of their own.
+        after_waits: their own collective leaves once every bucket is back (a comm hook), not right after
+            the last bucket's launch.
     """
 
     def __init__(
@@ -383,9 +396,13 @@ class StepFlags:
         layout_digest: int,
         clock: TrainingClock,
         carrier: Optional[torch.Tensor] = None,
+        after_waits: bool = False,
     ) -> None:
         self.num_params, self.clock, self.layout_digest = num_params, clock, layout_digest
         self.carrier = carrier
+        self.route = (
+            FlagRoute.CARRIED if carrier is not None else FlagRoute.AFTER_WAITS if after_waits else FlagRoute.AFTER_LAST
+        )
         self.tensors = [torch.zeros(num_flags(num_params), dtype=torch.float32, device=device) for _ in range(2)]
         self.turn = 0  # the tensor this step writes and sums
         self.index_cache: dict[tuple[int, ...], torch.Tensor] = {}  # unused parameters' indices, by pattern
@@ -432,7 +449,7 @@ class StepFlags:
 
     def nbytes(self) -> int:
         """Bytes of one step's flags in an all-reduce of their own (carried: counted with the last bucket)."""
-        return 0 if self.carrier is not None else self.tail.numel() * self.tail.element_size()
+        return 0 if self.route is FlagRoute.CARRIED else self.tail.numel() * self.tail.element_size()
 
     def send(
         self,
@@ -464,7 +481,7 @@ class StepFlags:
         return self._travel(self.tail.zero_(), group)
 
     def _travel(self, tail: torch.Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
-        if self.carrier is not None:
+        if self.carrier is not None:  # FlagRoute.CARRIED
             self.carrier.copy_(tail)  # summed with the last bucket, read back by ``landed``
             return None
         # waited by the reducer through the watch where the sums are read now (or on an accelerator),

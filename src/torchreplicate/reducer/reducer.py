@@ -118,7 +118,15 @@ from torchreplicate.reducer.bucket import (
     build_buckets,
     step_in_backward_optimizers,
 )
-from torchreplicate.reducer.flags import FlagSums, StagedSums, StepFlags, TrainingClock, layout_digest, num_flags
+from torchreplicate.reducer.flags import (
+    FlagRoute,
+    FlagSums,
+    StagedSums,
+    StepFlags,
+    TrainingClock,
+    layout_digest,
+    num_flags,
+)
 from torchreplicate.reducer.layout import policy as layout_policy
 from torchreplicate.reducer.layout.policy import LayoutPolicy, layout_specs, learn_layout, retune_cap, settle_tied
 from torchreplicate.reducer.probe import Probe, ReducerInfo, StepEvent, labelled
@@ -285,10 +293,10 @@ class Reducer:
         device = buckets[-1].buffer.device if buckets else self.slots[0].param.device
         self.on_cuda = device.type == "cuda"  # a backward under CUDA-graph capture is refused (queue_finalize)
         digest, carrier = layout_digest(buckets, self.sparse.slots), reduction.flags_room() if tensors else None
-        self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier)
+        self.flags = StepFlags(device, len(self.slots), digest, self._clock, carrier, reduction.flags_after_waits)
         # buckets a gradient hook may launch: all but where the last carries the flags, or a comm hook's
         # futures are waited one at a time ([Note: hooks run one bucket at a time] in reduction.py)
-        self._launchable = len(buckets) - (carrier is not None or reduction.flags_after_waits)
+        self._launchable = len(buckets) - (self.flags.route is not FlagRoute.AFTER_LAST)
         self.rounds: tuple[Round, ...] = tuple(r for r in (self.sparse, self.tied_rows) if r.slots)
         wire = reduction.wire_bytes() if tensors else 0
         self._wire_bytes = wire + self.flags.nbytes() + self.tied_rows.mask_bytes()
@@ -543,7 +551,7 @@ class Reducer:
         probe, buckets, flags, num_steps = self.probe, self.buckets, self.flags, self.num_steps
         group = self._group() or self._group.get()  # the weak reference's call; get() raises
         unused_here = self.sparse.unused_here() if self.sparse.slots and not zeros else []
-        carried, after_waits = flags.carrier is not None, self.reduction.flags_after_waits
+        route = flags.route
         work: Optional[dist.Work] = None
         if not zeros:
             probe.emit(StepEvent.FINALIZE, num_steps)
@@ -558,13 +566,13 @@ class Reducer:
         for bucket in buckets[first:]:
             if not zeros:
                 unused_here += bucket.fill()
-            if carried and bucket is buckets[-1]:
+            if route is FlagRoute.CARRIED and bucket is buckets[-1]:
                 work = send()  # into the last bucket's room
             if zeros:
                 shadows.append((bucket, self.reduction.launch(bucket.index, zeros=True)))
             else:
                 self._launch(bucket, False)
-        if not carried and not after_waits:
+        if route is FlagRoute.AFTER_LAST:
             work = send()  # right after the last bucket's
         reduced: Optional[torch.Tensor] = None
         for bucket, handle in shadows:
@@ -575,9 +583,9 @@ class Reducer:
                     bucket.wait()
                 except (TypeError, ValueError) as error:
                     raise_with_place(error, self.where(bucket))
-        if after_waits:
+        if route is FlagRoute.AFTER_WAITS:
             work = send()
-        elif carried and buckets:
+        elif route is FlagRoute.CARRIED and buckets:
             flags.landed(None if reduced is None else reduced[buckets[-1].numel :])
         probe.at(Place(TrainingState.FINALIZING, num_steps, collective=Collective.FLAGS))  # this step's, or the last's
         if self.reads_now:
