@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -76,8 +76,24 @@ from torchreplicate.torch_internals import (
 )
 
 if TYPE_CHECKING:
-    from torchreplicate.reducer.layout.plan import BucketSpec
     from torchreplicate.reducer.reduction import Reduction
+
+
+class BucketSpec(NamedTuple):
+    """One planned bucket: what the layout (layout/plan.py) returns and ``build_buckets`` builds.
+
+    Attributes:
+        param_indices: indices into the reducer's parameter list, in the order
+            their gradients are laid out in the flat buffer.
+        dtype: dtype of every parameter in the bucket.
+        device: device of every parameter in the bucket.
+        numel: total number of gradient elements in the bucket.
+    """
+
+    param_indices: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
 
 
 class ParamSlot:
@@ -615,7 +631,7 @@ def bucket_kind(gradient_as_bucket_view: Optional[bool]) -> type[Bucket]:
 def build_buckets(
     kind: type[Bucket], slots: Sequence[ParamSlot], specs: Sequence[BucketSpec], room: int
 ) -> list[Bucket]:
-    """The buckets of a layout: one ``kind`` per spec (layout/plan.py's ``BucketSpec``: which of ``slots``,
+    """The buckets of a layout: one ``kind`` per spec (``BucketSpec``, from layout/: which of ``slots``,
     in what dtype, where), in launch order.
 
     Args:

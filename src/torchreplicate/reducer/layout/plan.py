@@ -7,31 +7,15 @@ process group. The reducer turns a plan into flat buffers.
 from __future__ import annotations
 
 import sys
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from torchreplicate.config import DDP_DEFAULT_CAP_MB, MiB
+from torchreplicate.reducer.bucket import BucketSpec
 
 MIN_CAP = 512 * 1024  # bytes: below this gloo's per-collective work dominates on CPU
 MAX_CAP = 64 * MiB  # no bucket larger (tuned caps, the schedule)
-
-
-class BucketSpec(NamedTuple):
-    """One planned bucket.
-
-    Attributes:
-        param_indices: indices into the reducer's parameter list, in the order
-            their gradients are laid out in the flat buffer.
-        dtype: dtype of every parameter in the bucket.
-        device: device of every parameter in the bucket.
-        numel: total number of gradient elements in the bucket.
-    """
-
-    param_indices: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    numel: int
 
 
 def plan_buckets(
