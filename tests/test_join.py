@@ -60,7 +60,13 @@ def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: boo
         context = wrapped.join(divide_by_initial_world_size=divide_by_initial)
         run = wrapped
     else:
-        run = replicate(model)
+        # the flags' route (reducer/flags.py's FlagRoute): after the last bucket (ours), in its room (ours-fixed),
+        # after every wait (ours-hook: a comm hook, which divides by the world size)
+        run = replicate(model, **({"bucket_layout": "fixed"} if engine == "ours-fixed" else {}))
+        if engine == "ours-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
         context = model.join(divide_by_initial_world_size=divide_by_initial)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with context:
@@ -85,6 +91,14 @@ def uneven(rank: int, world_size: int, counts: list[int], divide_by_initial: boo
 def test_uneven_inputs_two_ranks(pools, counts, divide_by_initial):
     ours = pools.run(2, uneven, counts, divide_by_initial, "ours", timeout_s=90)
     assert ours[0].digest == ours[1].digest, f"replicas differ bitwise after the join: {ours}"
+
+
+@pytest.mark.parametrize("engine", ["ours-fixed", "ours-hook"])
+def test_uneven_inputs_on_every_flag_route(pools, engine):
+    """A joined rank runs the one collective sequence with zeros (reducer.py's ``_collectives``) where the
+    flags ride in the last bucket's room and where a comm hook's futures come first."""
+    ours = pools.run(2, uneven, [3, 5], True, engine, timeout_s=90)
+    assert ours[0].digest == ours[1].digest, f"{engine}: replicas differ bitwise after the join: {ours}"
 
 
 def test_uneven_inputs_three_ranks(pools):

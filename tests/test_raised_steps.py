@@ -51,7 +51,14 @@ def digest(tensors: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def job(scenario: str) -> dict[str, Any]:
+ROUTES = {  # where the flags travel (reducer/flags.py's FlagRoute), and the options that choose it
+    "after_last": {},  # DDP's layout: their own collective after the last bucket
+    "carried": {"bucket_layout": "fixed"},  # in the last bucket's room
+    "after_waits": {},  # a comm hook: their own collective after every wait (the hook registered below)
+}
+
+
+def job(scenario: str, route: str = "after_last") -> dict[str, Any]:
     """Trains (the scenario's failure included), goes back to the checkpoint, trains 2 steps; what it saw."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -61,7 +68,11 @@ def job(scenario: str) -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     raw = Net()
-    model = replicate(raw, stall_timeout=5)
+    model = replicate(raw, stall_timeout=5, **ROUTES[route])
+    if route == "after_waits":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if scenario == "rebuild" and rank == 1:  # the first step's rebuild raises once, on rank 1
         rebuild = Reducer._rebuild_buckets
@@ -124,13 +135,23 @@ def job(scenario: str) -> dict[str, Any]:
     }
 
 
-def run(scenario: str) -> list[dict[str, Any]]:
-    return launch(job, nprocs=3, args=(scenario,), timeout_s=90, threads_per_rank=1)
+def run(scenario: str, route: str = "after_last") -> list[dict[str, Any]]:
+    return launch(job, nprocs=3, args=(scenario, route), timeout_s=90, threads_per_rank=1)
 
 
 @pytest.mark.parametrize("scenario", ["forward", "retry", "rebuild"])
 def test_a_step_raised_on_one_rank_raises_on_every_rank_and_leaves_the_group_usable(scenario):
-    done, clean = run(scenario), run("clean")
+    check_raised_on_one_rank(scenario, run(scenario), run("clean"))
+
+
+@pytest.mark.parametrize("route", ["carried", "after_waits"])
+def test_the_raising_rank_pairs_the_sequence_on_every_flag_route(route):
+    """The one collective sequence with zeros (reducer.py's ``_collectives``) where the flags ride in the last
+    bucket's room (the fixed layout) and where a comm hook's futures come first (the flags after every wait)."""
+    check_raised_on_one_rank("forward", run("forward", route), run("clean", route))
+
+
+def check_raised_on_one_rank(scenario: str, done: list[dict[str, Any]], clean: list[dict[str, Any]]) -> None:
     agreed = [[(s, t) for s, w, t in r["raised"] if w == "backward" and t.startswith("replicate()")] for r in done]
     for rank, errors in enumerate(agreed):
         assert len(errors) == 1, f"{scenario}: rank {rank} raised {errors} at the flags' read (one expected)"
