@@ -134,3 +134,42 @@ def test_gradients_and_buffers(pools, fault):
             assert result.kinds == ["buffer"] and result.names == ["offset"], result
             assert result.max_difference == [pytest.approx(1.0)], result
             assert "before a forward, or pass buffers=False" in result.error, result.error
+
+
+def optimizer_state(rank: int, world_size: int) -> list[tuple[bool, str]]:
+    """A resume that loads the optimizer's state on rank 0 only (the model's weights replicate() broadcasts),
+    then on every rank, then one rank's state changed by hand: what verify_replicas(optimizer=) says."""
+    torch.manual_seed(0)
+    model = replicate(nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    saved_model = seeded(lambda: nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1)), 5)
+    saved = torch.optim.AdamW(saved_model.parameters(), lr=0.01)  # a checkpoint's optimizer: two steps taken
+    for step in range(2):
+        saved_model(data(0, step)).square().mean().backward()
+        saved.step()
+    checkpoint = saved.state_dict()
+    seen = []
+    if rank == 0:  # "load on rank 0 before replicate()" applied to the optimizer too
+        optimizer.load_state_dict(checkpoint)
+    report = verify_replicas(model, optimizer=optimizer, raise_on_mismatch=False)
+    seen.append((report.ok, report.message()))
+    optimizer.load_state_dict(checkpoint)  # on every rank, as DDP's tutorial loads it
+    report = verify_replicas(model, optimizer=optimizer, raise_on_mismatch=False)
+    seen.append((report.ok, report.message()))
+    if rank == 1:
+        next(iter(optimizer.state.values()))["exp_avg"].view(-1)[0] += 1.0
+    try:
+        verify_replicas(model, optimizer=optimizer)
+        seen.append((True, ""))
+    except ReplicaMismatchError as error:
+        seen.append((False, str(error)))
+    return seen
+
+
+def test_the_optimizers_state_is_compared_when_given(pools):
+    for rank, (rank0_only, everywhere, changed) in enumerate(pools.run(2, optimizer_state)):
+        assert not rank0_only[0], f"rank {rank}: a state loaded on rank 0 alone passed: {rank0_only[1]}"
+        assert "optimizer state" in rank0_only[1] and "load it on every rank" in rank0_only[1], rank0_only[1]
+        assert everywhere[0], f"rank {rank}: the state loaded on every rank differs: {everywhere[1]}"
+        assert not changed[0], f"rank {rank}: one changed exp_avg element passed"
+        assert "optimizer state '0.weight.exp_avg': rank 1 differs from rank 0: 1 of" in changed[1], changed[1]

@@ -32,8 +32,9 @@ class Mismatch(NamedTuple):
     """One tensor that is not the same on every rank.
 
     Attributes:
-        kind: "parameter", "buffer", "gradient", or "tensor list" (the ranks
-            hold different tensors: ``name`` describes the first difference).
+        kind: "parameter", "buffer", "gradient", "optimizer state", or
+            "tensor list" (the ranks hold different tensors: ``name``
+            describes the first difference).
         name: the tensor's fully qualified name.
         ranks: the ranks whose value differs from the reference.
         reference_rank: the lowest rank holding the value most ranks hold.
@@ -103,6 +104,12 @@ class ReplicaReport(NamedTuple):
             f"{self.world_size} ranks:"
         ]
         lines += [f"  {m.describe()}" for m in self.mismatches]
+        if any(m.kind == "optimizer state" or "'optimizer state'" in m.name for m in self.mismatches):
+            lines.append(
+                "The optimizer's state differs: load it on every rank (optimizer.load_state_dict() after "
+                "torch.load(..., map_location=...) on each rank, as DDP's tutorial does), not on rank 0 alone: "
+                "replicate() broadcasts the model's weights, never an optimizer's state."
+            )
         if any(m.kind == "buffer" for m in self.mismatches):
             lines.append(
                 "Buffers are broadcast from rank 0 before every forward; a forward that updates them "
@@ -134,6 +141,7 @@ def verify_replicas(
     *,
     grads: bool = False,
     buffers: Optional[bool] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
     raise_on_mismatch: bool = True,
 ) -> ReplicaReport:
     """Checks that every rank holds bitwise the same parameters and buffers (and gradients).
@@ -162,6 +170,11 @@ def verify_replicas(
             them differing until the next broadcast, by design: the next
             forward's, or under ``no_sync`` the first forward after a synced
             one ([Note: buffer sync] in core/buffers.py).
+        optimizer: also compare this optimizer's state over the replicated
+            parameters (each state tensor and number: Adam's ``step``,
+            ``exp_avg``, ``exp_avg_sq``, SGD's momentum buffer), named
+            ``<parameter>.<key>``: a state loaded on one rank only differs.
+            Default None.
         raise_on_mismatch: raise ``ReplicaMismatchError`` on a mismatch
             (default True) or return the report.
 
@@ -180,6 +193,8 @@ def verify_replicas(
     if buffers is None:
         buffers = state.buffer_sync.before_forward
     entries = _entries(model, state.plan, grads=grads, buffers=buffers)
+    if optimizer is not None:
+        entries += _optimizer_entries(optimizer, state.plan)
     num_bytes = sum(e.tensor.numel() * e.tensor.element_size() for e in entries if e.tensor is not None)
     group = state.group
     world_size = dist.get_world_size(group)
@@ -187,14 +202,13 @@ def verify_replicas(
         return ReplicaReport(len(entries), num_bytes, 1, ())
     device = state.device
     description = repr([(e.kind, e.name, e.shape, str(e.dtype)) for e in entries])
-    digests = [digest(description.encode())] + [tensor_digest(e.tensor) for e in entries]
-    mine = torch.tensor(digests, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(gathered, mine, group=group)
-    table = [row.tolist() for row in gathered]  # [rank][1 + tensor]
-    if len({row[0] for row in table}) > 1:
-        mismatches: tuple[Mismatch, ...] = (_different_lists(entries, table, group, device),)
+    # first what each rank compares (a fixed size: the lists may differ, an optimizer's state on one rank)
+    described = digest(description.encode())
+    heads = _gathered([described, len(entries)], group, device)
+    if len({tuple(head) for head in heads}) > 1:
+        mismatches: tuple[Mismatch, ...] = (_different_lists(entries, [h[0] for h in heads], group, device),)
     else:
+        table = _gathered([described] + [tensor_digest(e.tensor) for e in entries], group, device)  # [rank][1 + i]
         differing = [i for i in range(len(entries)) if len({row[1 + i] for row in table}) > 1]
         mismatches = _explain(entries, differing, table, group, device) if differing else ()
     report = ReplicaReport(len(entries), num_bytes, world_size, mismatches)
@@ -234,15 +248,33 @@ def _entries(model: nn.Module, plan: Any, *, grads: bool, buffers: bool) -> list
     return entries
 
 
+def _optimizer_entries(optimizer: torch.optim.Optimizer, plan: Any) -> list[_Entry]:
+    # The optimizer's state over the replicated parameters, by parameter and key, numbers as float64 tensors.
+    entries = []
+    for name, param in zip(plan.names, plan.params, strict=True):
+        for key, value in sorted(optimizer.state.get(param, {}).items(), key=lambda item: str(item[0])):
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+            entries.append(_Entry("optimizer state", f"{name}.{key}", tensor, tuple(tensor.shape), tensor.dtype))
+    return entries
+
+
+def _gathered(values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    # Every rank's ``values`` (int64s, as many on every rank), by rank.
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [row.tolist() for row in gathered]
+
+
 def _different_lists(
-    entries: Sequence[_Entry], table: list[list[int]], group: dist.ProcessGroup, device: torch.device
+    entries: Sequence[_Entry], descriptions: list[int], group: dist.ProcessGroup, device: torch.device
 ) -> Mismatch:
     # The ranks compare different tensors (names, shapes or dtypes): gather the lists to say where.
     mine = [(e.kind, e.name, e.shape, str(e.dtype)) for e in entries]
     lists = gather_objects(mine, group, device)
-    reference = _reference_group([row[0] for row in table])
+    reference = _reference_group(descriptions)
     ref = min(reference)
-    others = tuple(r for r in range(len(table)) if r not in reference)
+    others = tuple(r for r in range(len(descriptions)) if r not in reference)
     first = others[0]
     a, b = lists[first], lists[ref]
     where = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
