@@ -259,9 +259,12 @@ def test_the_staged_flags_wait_through_the_watchdog_not_a_plain_synchronize():
         def synchronize(self):
             raise AssertionError("a plain wait: a hung peer would hold this rank until NCCL's abort")
 
+    from torchreplicate.faults.watchdog import StallWatch
     from torchreplicate.faults.wire import Watch
 
-    class Waiter(Watch):
+    class Waiter(Watch):  # the stall watchdog's way with an event: polled, never a plain synchronize
+        wait_event = StallWatch.wait_event
+
         def wait_until(self, done):
             self.polled = done()
 
@@ -294,9 +297,12 @@ def test_a_read_of_the_flags_in_the_step_polls_on_an_accelerator(monkeypatch):
         def query(self):
             return True
 
+    from torchreplicate.faults.watchdog import StallWatch
     from torchreplicate.faults.wire import Watch
 
-    class Waiter(Watch):
+    class Waiter(Watch):  # the stall watchdog's way with an event: polled
+        wait_event = StallWatch.wait_event
+
         def wait(self, work):
             seen.append(("wait", work))
 
@@ -310,3 +316,32 @@ def test_a_read_of_the_flags_in_the_step_polls_on_an_accelerator(monkeypatch):
     step_flags.ready = Event()  # as on an accelerator
     step_flags.wait("work", Waiter())
     assert seen == [("wait", "work"), ("stream", torch.device("cpu")), ("record", "s"), ("polled", True)], seen
+
+
+def test_the_plain_watch_blocks_in_an_event_the_stall_watchdog_polls_it():
+    """Without a stall watchdog (world size 1, stall_timeout=None) a wait on an accelerator's event blocks in
+    it, with no naps in between; the stall watchdog polls it, looking at the peers meanwhile."""
+    from torchreplicate.faults.watchdog import StallWatch
+    from torchreplicate.faults.wire import Watch
+
+    class Event:
+        def __init__(self):
+            self.calls = []
+
+        def synchronize(self):
+            self.calls.append("synchronize")
+
+        def query(self):
+            self.calls.append("query")
+            return True
+
+    plain, event = Watch(), Event()
+    plain.wait_event(event)
+    assert event.calls == ["synchronize"]
+
+    class Polling(Watch):
+        wait_event = StallWatch.wait_event
+
+    polled = Event()
+    Polling().wait_event(polled)
+    assert polled.calls == ["query"], "the stall watchdog's wait polls the event"

@@ -77,6 +77,7 @@ import weakref
 from datetime import timedelta
 from typing import Iterable
 
+import torch
 import torch.distributed as dist
 
 from torchreplicate.config import backend_of
@@ -177,6 +178,10 @@ class StallWatch(Watch):
         self.left = how
         with contextlib.suppress(Exception):  # the store is gone: nobody is left to read the note
             self._beat()
+
+    def wait_event(self, event: torch.Event) -> None:
+        """Polls ``event`` (``wait_until``): on NCCL a hung peer is named from the notes before NCCL's own abort."""
+        self.wait_until(event.query)
 
     def note_raised(self, step: int, what: str) -> None:
         """Leaves a note that this rank raised in ``step`` (``what``: the exception, one line), which the

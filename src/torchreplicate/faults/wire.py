@@ -5,7 +5,7 @@ collective, goes through this file:
 
 - the process group, held weakly (``WeakGroup``);
 - one ``Watch`` per replicated module, never None: every host wait on a
-  peer (``wait``, ``wait_until``, ``wait_on_host``, ``read_on_host``) and
+  peer (``wait``, ``wait_event``, ``wait_on_host``, ``read_on_host``) and
   where this rank is (``at``). The plain ``Watch`` (world size 1,
   ``stall_timeout=None``, a nested module) waits plainly; the stall
   watchdog (``StallWatch``, watchdog.py) is a ``Watch`` that also looks at
@@ -161,20 +161,25 @@ class Watch:
 
         On an accelerator the host would block in a read until the device is done: where a peer hangs, past
         the stall watchdog, until NCCL's own timeout. So the stream waits for ``work``, then an event
-        (``ready``, one the caller keeps, or a new one) is polled (``wait_until``): a read after this one
-        does not block.
+        (``ready``, one the caller keeps, or a new one) is waited for (``wait_event``: the stall watchdog
+        polls it): a read after this one does not block.
         """
         if work is not None:
             self.wait(work)
         if ready is not None or tensor.device.type != "cpu":  # a kept event: an accelerator's
             ready = torch.Event(tensor.device) if ready is None else ready
             ready.record(torch.accelerator.current_stream(tensor.device))
-            self.wait_until(ready.query)
+            self.wait_event(ready)
 
     def read_on_host(self, tensor: torch.Tensor, work: Optional[dist.Work] = None) -> list[Any]:
         """``tensor.tolist()`` once its collective is done (``wait_on_host``)."""
         self.wait_on_host(tensor, work)
         return tensor.tolist()
+
+    def wait_event(self, event: torch.Event) -> None:
+        """Returns once ``event`` (recorded on an accelerator's stream) completed: the plain watch blocks in it,
+        names nobody; the stall watchdog polls it (``wait_until``), looking at the peers meanwhile."""
+        event.synchronize()
 
     def look_at_peers(self, waited: float) -> None:
         """Where a wait lasts ``waited`` s: the stall watchdog looks at the peers; the plain watch waits on."""

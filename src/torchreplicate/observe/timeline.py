@@ -91,7 +91,7 @@ class DeviceClock:
         """A mark in ns since the origin (waits for the event where it is not done yet: polled through the
         watchdog, which names a peer that hangs the stream, before NCCL's own timeout)."""
         assert self.origin is not None, "a mark was made"
-        self.watch().wait_until(mark.query)
+        self.watch().wait_event(mark)
         return round(float(self.origin.elapsed_time(mark)) * 1e6)
 
 

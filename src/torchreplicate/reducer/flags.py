@@ -327,7 +327,7 @@ class StagedSums:
         if self.step < 0:
             return  # nothing staged
         if self.event is not None:  # recorded a step ago: done, unless the device runs a step behind
-            watch.wait_until(self.event.query)
+            watch.wait_event(self.event)
         rest, step, self.step = self.values.tolist(), self.step, -1
         raise_on_desync(rest, group, self.device, self.clock, layout_digest, step, watch)
         if rest[0] > 0:

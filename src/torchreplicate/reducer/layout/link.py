@@ -110,7 +110,7 @@ def _timed_all_reduce(scratch: torch.Tensor, group: dist.ProcessGroup, watch: Wa
         start.record()
         watch.wait(all_reduce(scratch, group))
         end.record()
-        watch.wait_until(end.query)  # polled: a peer that never comes is named, not waited for until NCCL's abort
+        watch.wait_event(end)  # the stall watchdog polls: a peer that never comes is named before NCCL's abort
         return float(start.elapsed_time(end)) / 1e3
     started = time.perf_counter()
     watch.wait(all_reduce(scratch, group))
