@@ -11,7 +11,7 @@ where DDP's would end, or where it could never finish:
 
 - Every collective runs under the process group's own timeout, as DDP's do
   (no per-operation option). The waiting rank waits through
-  ``StallWatch.wait``: ``Work.wait(timeout)`` in slices (on gloo it raises
+  ``Watch.wait`` (wire.py), sliced here: ``Work.wait(timeout)`` in slices (on gloo it raises
   "Operation timed out!" and leaves the operation in flight, unharmed;
   measured on torch 2.13). At ``stall_timeout`` and then at doubling
   intervals (60 s, 120 s, 240 s, ...) it reads every rank's note:
@@ -97,7 +97,6 @@ from torchreplicate.torch_internals import group_store, group_timeout
 __all__ = ["MAX_BEATS_PER_S", "Note", "StallWarning", "StallWatch", "describe_notes", "heartbeat_period"]
 
 MAX_BEATS_PER_S = 400.0  # heartbeats of a whole group per second, at most (see the Note)
-_TIMED_OUT = "Operation timed out!"  # what Work.wait(timeout) raises when the slice ends first (torch 2.13)
 
 
 class StallWarning(UserWarning):

@@ -20,10 +20,10 @@ collective, goes through this file:
 Two collectives of a step are launched without waiting and are done long
 before anything reads them: rank 0's buffers sent ahead at the end of a
 forward (core/buffers.py) and, on the host, the flags' sums read a step
-late (reducer/flags.py). Their works are kept past the step, each holder
-declared by the ``Held`` protocol (``settle``: wait, done by then, and let
-go; ``let_go``: drop without waiting), in the module's one ``HeldWorks``.
-One loop releases them: at the next forward, at the next synchronised
+late (reducer/flags.py). Their works, and nothing else, are kept past the
+step in the module's one ``HeldWorks`` (the staged buffers and flags keep
+their data); one loop (``release``: wait, done by then, and let go)
+releases them: at the next forward, at the next synchronised
 backward, at an optimizer step over the module's parameters, whatever
 updates the weights (a manual update, a custom optimizer), so what the
 library holds does not grow with the steps; and what is left at
